@@ -1,0 +1,112 @@
+"""AttentionMetadata: everything attention needs about one step's flat batch of tokens.
+
+Built once per step by the model runner and passed down the forward as an argument (no
+global context). The batch is flat: sequence i's new tokens are rows
+`query_start_loc[i]:query_start_loc[i+1]`. For the reference backend the sequences are
+also split into groups of equal query length class (decodes, and chunks of prompts),
+each padded into a rectangle so attention is one batched call per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended together: queries padded to [G, max_query_len]."""
+
+    token_index: torch.Tensor  # [G, Lq] row of each query in the flat batch (pads: 0)
+    query_valid: torch.Tensor  # [G, Lq] bool
+    query_pos: torch.Tensor  # [G, Lq] absolute position of each query (pads: 0)
+    block_tables: torch.Tensor  # [G, max_blocks] physical block ids (pads: 0)
+    context_lens: torch.Tensor  # [G] tokens in context after this step's writes
+    max_context_len: int
+    is_decode: bool  # every query length is 1: the output needs no scatter
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] physical slot of each new token's K/V
+    positions: torch.Tensor  # [T]
+    query_start_loc: torch.Tensor  # [B+1]
+    context_lens: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, max_blocks]
+    logits_indices: torch.Tensor  # [R] rows whose logits are needed
+    groups: tuple[AttentionGroup, ...]
+    block_size: int
+    num_tokens: int
+
+
+def _pad(rows: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), max(width, 1)), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out
+
+
+def build_attention_metadata(
+    start_positions: Sequence[int],
+    query_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    logits_seq_indices: Sequence[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for sequences that compute `query_lens[i]` tokens from `start_positions[i]`."""
+    num_seqs = len(query_lens)
+    starts = torch.as_tensor(start_positions, dtype=torch.long)
+    qlens = torch.as_tensor(query_lens, dtype=torch.long)
+    qsl = torch.zeros(num_seqs + 1, dtype=torch.long)
+    torch.cumsum(qlens, 0, out=qsl[1:])
+    num_tokens = int(qsl[-1])
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlens)
+    positions = starts[seq_of_token] + torch.arange(num_tokens) - qsl[:-1][seq_of_token]
+    max_blocks = max((len(t) for t in block_tables), default=1)
+    tables = _pad(block_tables, max_blocks)
+    block_of_token = tables[seq_of_token, positions // block_size]
+    slot_mapping = block_of_token * block_size + positions % block_size
+    context_lens = starts + qlens
+    logits_indices = qsl[1:][torch.as_tensor(list(logits_seq_indices), dtype=torch.long)] - 1
+
+    groups = []
+    is_decode = qlens == 1
+    for decode in (True, False):
+        members = torch.nonzero(is_decode == decode).flatten()
+        if members.numel() == 0:
+            continue
+        g_qlens = qlens[members]
+        max_q = int(g_qlens.max())
+        offs = torch.arange(max_q)
+        valid = offs[None, :] < g_qlens[:, None]
+        token_index = torch.where(valid, qsl[members][:, None] + offs[None, :], 0)
+        query_pos = torch.where(valid, starts[members][:, None] + offs[None, :], 0)
+        g_ctx = context_lens[members]
+        max_ctx = int(g_ctx.max())
+        g_tables = tables[members][:, : -(-max_ctx // block_size)]
+        groups.append(
+            AttentionGroup(
+                token_index=token_index.to(device),
+                query_valid=valid.to(device),
+                query_pos=query_pos.to(device),
+                block_tables=g_tables.to(device),
+                context_lens=g_ctx.to(device),
+                max_context_len=max_ctx,
+                is_decode=decode,
+            )
+        )
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        positions=positions.to(device),
+        query_start_loc=qsl.to(device),
+        context_lens=context_lens.to(device),
+        block_tables=tables.to(device),
+        logits_indices=logits_indices.to(device),
+        groups=tuple(groups),
+        block_size=block_size,
+        num_tokens=num_tokens,
+    )

@@ -1,0 +1,18 @@
+"""Scheduling policy: requests, their sequences, and the continuous-batching scheduler.
+
+Plain Python, no torch: the scheduler speaks to the worker in request ids, token ids
+and block ids.
+"""
+
+from pagedllm.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.sequence import Request, RequestStatus, Sequence
+
+__all__ = [
+    "Request",
+    "RequestStatus",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "Sequence",
+]

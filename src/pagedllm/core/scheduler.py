@@ -1,0 +1,274 @@
+"""Scheduler: continuous (iteration-level) batching over the paged block pool.
+
+Every step gives each scheduled request some tokens to compute under two budgets
+(`max_num_seqs`, `max_num_batched_tokens`): decodes first, then the rest of partly
+computed prompts, then new requests from the waiting queue. A long prompt is split into
+chunks; decode and prefill share a step. When a running request cannot get a block, the
+most recently admitted running request is preempted by recomputation: its blocks are
+freed and it goes back to the front of the waiting queue keeping its generated tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from pagedllm.core.sequence import Request, RequestStatus, Sequence
+from pagedllm.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute `token_ids` at positions from `start_pos`."""
+
+    request_id: str
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    needs_logits: bool  # the chunk reaches the sequence's last token
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    seqs: tuple[ScheduledSeq, ...]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens per sequence this step
+    blocks_to_copy: tuple[tuple[int, int], ...]  # copy-on-write (source, destination)
+    preempted: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self._running_seq_slots = 0
+        self._seq_ids = itertools.count()
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # --------------------------------------------------------------- requests
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def check_fits(self, num_tokens: int, max_new_tokens: int, num_seqs: int = 1) -> None:
+        """Raise ValueError if such a request could never run, even alone."""
+        total = num_tokens + max_new_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({num_tokens} tokens) + max_tokens ({max_new_tokens}) = {total} "
+                f"exceeds max_model_len ({self.config.max_model_len})"
+            )
+        if num_seqs > self.config.max_num_seqs:
+            raise ValueError(
+                f"the request needs {num_seqs} sequences; max_num_seqs is "
+                f"{self.config.max_num_seqs}"
+            )
+        # Recomputation after preemption loses sharing: bound without it.
+        needed = num_seqs * self.kv.blocks_for_tokens(total)
+        usable = self.kv.num_blocks - self.kv.watermark_blocks
+        if needed > usable:
+            raise ValueError(
+                f"the request needs up to {needed} KV blocks ({num_seqs} x {total} tokens); "
+                f"the pool has {usable} usable blocks of {self.kv.block_size} tokens"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request and free every block it holds at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._running_seq_slots -= req.max_num_seqs
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        for seq in req.seqs:
+            self.kv.free(seq.seq_id)
+        req.status = RequestStatus.FINISHED
+        return req
+
+    def fork(self, req: Request, parent: Sequence, child: Sequence) -> None:
+        """Add `child` to the request, sharing every block of `parent`."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        req.seqs.append(child)
+
+    def finish_seq(self, req: Request, seq: Sequence) -> None:
+        """A sequence is done: free its blocks; the request ends with its last one."""
+        self.kv.free(seq.seq_id)
+        req.seqs.remove(seq)
+        req.finished_seqs.append(seq)
+        if not req.seqs:
+            self.running.remove(req)
+            self._running_seq_slots -= req.max_num_seqs
+            del self.requests[req.request_id]
+            req.status = RequestStatus.FINISHED
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served by the prefix cache / prompt tokens admitted."""
+        return (
+            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        )
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.seqs) for r in self.running)
+
+    # --------------------------------------------------------------- the step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+
+        # Running requests: decodes first, then partly computed prompts; both in
+        # admission order (sorted() is stable).
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            k = len(req.seqs)
+            chunk = min(req.num_tokens - req.num_computed_tokens, budget // k)
+            if chunk <= 0:
+                continue
+            while not self._allocate(req, req.num_computed_tokens + chunk):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id) * len(victim.seqs)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = chunk
+                budget -= chunk * k
+
+        # New (or preempted) requests, unless this step already had to preempt.
+        while self.waiting and budget > 0 and not preempted:
+            req = self.waiting[0]
+            if self._running_seq_slots + req.max_num_seqs > self.config.max_num_seqs:
+                break
+            chunk = self._admit(req, budget)
+            if chunk == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            self._running_seq_slots += req.max_num_seqs
+            req.status = RequestStatus.RUNNING
+            scheduled[req.request_id] = chunk
+            budget -= chunk * len(req.seqs)
+
+        seqs = []
+        for request_id, chunk in scheduled.items():
+            req = self.requests[request_id]
+            start = req.num_computed_tokens
+            end = start + chunk
+            for seq in req.seqs:
+                seqs.append(
+                    ScheduledSeq(
+                        request_id=request_id,
+                        seq_id=seq.seq_id,
+                        token_ids=tuple(seq.token_ids[start:end]),
+                        start_pos=start,
+                        block_table=tuple(self.kv.table(seq.seq_id).blocks),
+                        needs_logits=end == req.num_tokens,
+                    )
+                )
+        return SchedulerOutput(
+            seqs=tuple(seqs),
+            num_scheduled_tokens=scheduled,
+            blocks_to_copy=tuple(self.kv.take_copies()),
+            preempted=tuple(preempted),
+        )
+
+    def update_from_output(self, output: SchedulerOutput) -> None:
+        """The step ran: its tokens are computed; full blocks join the prefix cache."""
+        for request_id, chunk in output.num_scheduled_tokens.items():
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            req.num_computed_tokens += chunk
+            for seq in req.seqs:
+                self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, req.num_computed_tokens)
+
+    # ---------------------------------------------------------------- helpers
+    def _allocate(self, req: Request, num_tokens: int) -> bool:
+        return all(self.kv.allocate_slots(s.seq_id, num_tokens) for s in req.seqs)
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Allocate a waiting request's first chunk; the chunk size, or 0 if it must wait."""
+        k = len(req.seqs)
+        hits = [self.kv.find_cached_prefix(s.token_ids) for s in req.seqs]
+        num_cached_blocks = min(len(blocks) for blocks, _ in hits)
+        num_cached = num_cached_blocks * self.kv.block_size
+        chunk = min(req.num_tokens - num_cached, budget // k)
+        if chunk <= 0:
+            return 0
+        for i, seq in enumerate(req.seqs):
+            blocks, hashes = hits[i]
+            ok = self.kv.allocate_slots(
+                seq.seq_id,
+                num_cached + chunk,
+                cached_blocks=(blocks[:num_cached_blocks], hashes[:num_cached_blocks]),
+                reserve_tokens=req.reserve_tokens,
+                keep_watermark=True,
+            )
+            if not ok:
+                for done in req.seqs[:i]:
+                    self.kv.free(done.seq_id)
+                return 0
+        req.num_computed_tokens = num_cached
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_cached
+            self.prefix_query_tokens += req.num_tokens
+            self.prefix_hit_tokens += num_cached
+        return chunk
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._running_seq_slots -= req.max_num_seqs
+        for seq in req.seqs:
+            self.kv.free(seq.seq_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,73 @@
+"""Sequence and Request: the scheduler's view of the work.
+
+A Request holds the live sequences sampled for one prompt (one, or n for parallel
+sampling, or the beams of a beam search). Its live sequences always have the same length,
+so one `num_computed_tokens` counter per request says how far their K/V is computed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    index: int = 0  # its place among the request's samples
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Incremental detokenisation state (engine/detokenizer.py).
+    output_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    # Sampling state private to the worker (e.g. a seeded generator's key).
+    sampler_state: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    seqs: list[Sequence]
+    max_num_seqs: int = 1  # sequences it may grow to (n, best_of or the beam width)
+    reserve_tokens: int = 0  # tokens reserved at admission (contiguous baselines only)
+    params: Any = None  # SamplingParams or BeamSearchParams, for the engine
+    arrival_time: float = 0.0
+    prompt: str | None = None
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    finished_seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seqs[0].num_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return (self.seqs or self.finished_seqs)[0].num_prompt_tokens

@@ -1,0 +1,310 @@
+"""LLMEngine: add_request / step / abort over the scheduler, the worker and the sampler.
+
+`step()` is the whole serving loop in one iteration: schedule, run the model, note what
+was computed, sample, then append tokens, detokenise, stop and fork sequences, and hand
+back a RequestOutput for every request that gained a token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from pagedllm.core.reservation import reserve_tokens
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.sequence import Request, Sequence
+from pagedllm.engine.config import EngineConfig, parse_size
+from pagedllm.engine.detokenizer import detokenize_incrementally, start_offsets
+from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.engine.stats import EngineStats
+from pagedllm.kv.manager import KVCacheManager, KVUsage
+from pagedllm.loader import LoadedModel, load_model
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.kv_cache import PagedKVCache, bytes_per_block
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sampler import Sampler, SampleRow
+
+logger = logging.getLogger("pagedllm")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        loaded = loaded if loaded is not None else load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.device = torch.device(config.device)
+        dtype = getattr(torch, config.dtype)
+        model = LlamaForCausalLM(loaded.config)
+        model.load_weights(loaded.weights)
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+
+        block_bytes = bytes_per_block(loaded.config, config.block_size, dtype)
+        num_blocks = config.num_kv_blocks or max(
+            1, parse_size(config.kv_cache_memory) // block_bytes
+        )
+        max_len = min(loaded.config.max_position_embeddings, num_blocks * config.block_size)
+        if config.max_model_len is not None:
+            if config.max_model_len > loaded.config.max_position_embeddings:
+                raise ValueError(
+                    f"max_model_len ({config.max_model_len}) exceeds the model's context "
+                    f"({loaded.config.max_position_embeddings})"
+                )
+            max_len = config.max_model_len
+        self.max_model_len = max_len
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            watermark_blocks=min(int(config.watermark * num_blocks), num_blocks - 1),
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=max_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            ),
+            self.kv,
+        )
+        self.kv_cache = PagedKVCache(
+            loaded.config, num_blocks, config.block_size, dtype=dtype, device=self.device
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.eos_token_ids = set(loaded.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+        self.stats = EngineStats()
+        logger.info(
+            "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d",
+            num_blocks,
+            config.block_size,
+            block_bytes,
+            num_blocks * block_bytes / 2**20,
+            max_len,
+        )
+
+    # --------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; ValueError if it is malformed or could never fit."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            prompt_ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab - 1}]")
+        max_new = params.max_tokens or max(self.max_model_len - len(prompt_ids), 1)
+        self.scheduler.check_fits(len(prompt_ids), max_new, params.num_seqs)
+        seq = self._new_seq(prompt_ids, generator=self._generator(params.seed, 0))
+        request = Request(
+            request_id=request_id,
+            seqs=[seq],
+            max_num_seqs=params.num_seqs,
+            reserve_tokens=reserve_tokens(
+                self.config.kv_reservation, len(prompt_ids), max_new, self.max_model_len
+            ),
+            params=params,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; every block it held returns to the pool."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    def usage(self) -> KVUsage:
+        return self.kv.usage()
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            return []
+        logits = self.runner.execute(step)
+        self.scheduler.update_from_output(step)
+        self.stats.record_step(step, self.scheduler, self.kv)
+
+        # Rows of `logits` follow the scheduled sequences that need them, in order.
+        rows: list[SampleRow] = []
+        targets: list[tuple[Request, Sequence]] = []
+        row = 0
+        for s in step.seqs:
+            if not s.needs_logits:
+                continue
+            req = self.scheduler.requests[s.request_id]
+            seq = next(q for q in req.seqs if q.seq_id == s.seq_id)
+            for target in self._samples_for(req, seq):
+                rows.append(self._sample_row(row, req.params, target))
+                targets.append((req, target))
+            row += 1
+        if not rows:
+            return []
+        sampled = self.sampler(logits, rows)
+
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for i, (req, seq) in enumerate(targets):
+            token = sampled.token_ids[i]
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += sampled.logprobs[i]
+            if req.params.logprobs is not None:
+                top = dict(zip(sampled.top_ids[i], sampled.top_logprobs[i], strict=True))
+                top[token] = sampled.logprobs[i]
+                seq.output_logprobs.append(top)
+            self._check_stop(req, seq)
+            touched[req.request_id] = req
+            if req.first_token_time is None:
+                req.first_token_time = now
+        outputs = []
+        for req in touched.values():
+            for seq in [s for s in req.seqs if s.finish_reason is not None]:
+                self.scheduler.finish_seq(req, seq)
+            outputs.append(self._make_output(req, finished=not req.seqs, now=now))
+        return outputs
+
+    # ---------------------------------------------------------------- helpers
+    def _new_seq(
+        self,
+        token_ids: list[int],
+        generator: torch.Generator | None,
+        index: int = 0,
+        num_prompt_tokens: int | None = None,
+    ) -> Sequence:
+        seq = Sequence(
+            seq_id=self.scheduler.new_seq_id(),
+            token_ids=list(token_ids),
+            num_prompt_tokens=len(token_ids) if num_prompt_tokens is None else num_prompt_tokens,
+            index=index,
+            sampler_state=generator,
+        )
+        start_offsets(seq)
+        return seq
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        # Sample i of a seeded request draws from its own stream: reproducible whatever
+        # else shares the batch.
+        return torch.Generator(device=self.device).manual_seed(hash((seed, index)) & (2**63 - 1))
+
+    def _samples_for(self, req: Request, seq: Sequence) -> list[Sequence]:
+        """The sequences that draw a token from `seq`'s logits: at the first draw of a
+        parallel-sampling request, the prompt's sequence forks into all its samples."""
+        params = req.params
+        if params.num_seqs == 1 or seq.num_output_tokens > 0 or len(req.seqs) > 1:
+            return [seq]
+        children = [seq]
+        for i in range(1, params.num_seqs):
+            child = self._new_seq(seq.token_ids, self._generator(params.seed, i), index=i)
+            self.scheduler.fork(req, seq, child)
+            children.append(child)
+        return children
+
+    def _sample_row(self, row: int, params: SamplingParams, seq: Sequence) -> SampleRow:
+        n_out = seq.num_output_tokens
+        suppressed: tuple[int, ...] = ()
+        if n_out < params.min_tokens:
+            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+            suppressed = eos + tuple(params.stop_token_ids)
+        penalties = params.has_penalties
+        return SampleRow(
+            logits_row=row,
+            params=params,
+            generator=seq.sampler_state,
+            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if penalties else (),
+            output_ids=seq.output_token_ids if penalties else (),
+            suppressed_ids=suppressed,
+            num_logprobs=params.logprobs or 0,
+        )
+
+    def _check_stop(self, req: Request, seq: Sequence) -> None:
+        params: SamplingParams = req.params
+        token = seq.token_ids[-1]
+        n_out = seq.num_output_tokens
+        if self.tokenizer is not None:
+            detokenize_incrementally(self.tokenizer, seq, params.skip_special_tokens)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+            if params.stop and self._cut_at_stop_string(seq, params):
+                return
+        if (params.max_tokens is not None and n_out >= params.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+
+    @staticmethod
+    def _cut_at_stop_string(seq: Sequence, params: SamplingParams) -> bool:
+        for stop in params.stop:
+            at = seq.output_text.find(stop)
+            if at >= 0:
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                seq.output_text = seq.output_text[:end]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        return False
+
+    def _make_output(self, req: Request, finished: bool, now: float) -> RequestOutput:
+        params = req.params
+        seqs = req.finished_seqs + req.seqs
+        if finished and params.best_of is not None and params.best_of > params.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        else:
+            seqs = sorted(seqs, key=lambda s: s.index)
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=s.output_text,
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.output_logprobs if params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(seqs)
+        ]
+        first = (req.finished_seqs + req.seqs)[0]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=RequestMetrics(
+                req.arrival_time, req.first_token_time, now if finished else None
+            ),
+            num_preemptions=req.num_preemptions,
+        )

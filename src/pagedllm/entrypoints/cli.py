@@ -1,0 +1,172 @@
+"""The `pagedllm` command line: `generate`, plus the `serve` and `bench` subcommands.
+
+Bad arguments exit with status 2 and a one-line message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.engine.config import KV_RESERVATIONS
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that builds an engine."""
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1..256)")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 256MiB")
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                   help="KV pool size in blocks (overrides --kv-cache-memory)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-reservation", default="paged", choices=KV_RESERVATIONS)
+    p.add_argument("--engine-seed", type=int, default=0, help="seed of unseeded sampling")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=args.device,
+        enable_prefix_caching=not args.no_prefix_caching,
+        kv_reservation=args.kv_reservation,
+        seed=args.engine_seed,
+    )
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    p.add_argument("prompts", nargs="*", help="prompts (or use --prompts-file)")
+    p.add_argument("--prompts-file", default=None,
+                   help="one JSON string, or object with 'prompt'/'prompt_token_ids', per line")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--system", default=None, help="system prompt for --chat")
+    p.add_argument("--json", action="store_true", help="print outputs and summary as JSON")
+    add_engine_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[Any]:
+    prompts: list[Any] = list(args.prompts)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                lines = [line for line in f if line.strip()]
+        except OSError as e:
+            raise ValueError(f"cannot read --prompts-file: {e.strerror}: {args.prompts_file}")
+        for n, line in enumerate(lines, 1):
+            try:
+                prompts.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--prompts-file line {n} is not JSON: {e.msg}") from None
+    if not prompts:
+        raise ValueError("give at least one prompt (arguments or --prompts-file)")
+    return prompts
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    prompts = _read_prompts(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, **engine_options(args))
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompts = [
+            {"prompt_token_ids": llm.encode_chat([*system, {"role": "user", "content": str(p)}])}
+            for p in prompts
+        ]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    elapsed = time.perf_counter() - start
+    engine = llm.engine
+    stats = engine.stats
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    summary = {
+        "requests": len(outputs),
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated,
+        "seconds": round(elapsed, 3),
+        "generated_tokens_per_s": round(generated / elapsed, 2),
+        "peak_blocks_in_use": stats.peak_used_blocks,
+        "kv_blocks_total": engine.kv.num_blocks,
+        "mean_kv_utilization": round(stats.mean_utilization, 4),
+        "preemptions": engine.scheduler.num_preemptions,
+        "prefix_cache_hit_rate": round(engine.scheduler.prefix_hit_rate, 4),
+    }
+    if args.json:
+        print(json.dumps({
+            "outputs": [[c.text for c in o.outputs] for o in outputs], "summary": summary,
+        }, indent=2))
+        return 0
+    for i, out in enumerate(outputs):
+        for c in out.outputs:
+            label = f"[{i}]" if len(out.outputs) == 1 else f"[{i}.{c.index}]"
+            print(f"{label} {c.text.strip()}")
+    print(
+        f"\n{summary['requests']} requests, {prompt_tokens} prompt + {generated} generated "
+        f"tokens in {elapsed:.2f} s ({summary['generated_tokens_per_s']} generated tokens/s); "
+        f"peak {stats.peak_used_blocks}/{engine.kv.num_blocks} KV blocks in use, "
+        f"mean KV utilisation {stats.mean_utilization:.1%}, "
+        f"{engine.scheduler.num_preemptions} preemptions"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", description="LLM inference with a paged KV cache (PagedAttention)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""LLM: the offline API, shaped like vLLM's so users can switch.
+
+llm = LLM(block_size=16, kv_cache_memory="256MiB")
+outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(...))
+outs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.loader import LoadedModel
+from pagedllm.sampling_params import SamplingParams
+
+PromptInput = str | dict[str, Any] | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(
+        self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_options: Any
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options), loaded)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, _prompt_of(prompt), params)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # nothing half-queued stays behind
+                self.engine.abort(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or several, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.encode_chat(conv, add_generation_prompt)}  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        done: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        )
+        generated = 0
+        start = time.perf_counter()
+        try:
+            while len(done) < len(wanted) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        generated += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        rate = generated / max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"{rate:.1f} generated tokens/s")
+        finally:
+            bar.close()
+            for request_id in wanted - done.keys():  # interrupted: free their blocks
+                engine.abort(request_id)
+        return [done[r] for r in request_ids]
+
+
+def _prompt_of(prompt: PromptInput) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return str(prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return [int(t) for t in prompt]

@@ -1,0 +1,11 @@
+"""KV-cache bookkeeping: the block pool, per-sequence block tables and their manager.
+
+Plain Python, no torch: these decide which physical block holds which token; the
+worker owns the tensors and only ever sees block ids.
+"""
+
+from pagedllm.kv.allocator import BlockAllocator, NoFreeBlocksError
+from pagedllm.kv.block_table import BlockTable
+from pagedllm.kv.manager import KVCacheManager, KVUsage
+
+__all__ = ["BlockAllocator", "BlockTable", "KVCacheManager", "KVUsage", "NoFreeBlocksError"]

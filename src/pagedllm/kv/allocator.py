@@ -1,0 +1,152 @@
+"""BlockAllocator: the pool of physical KV blocks, their reference counts, the prefix cache.
+
+Free blocks wait in one queue in the order they will be handed out. A freed block that
+holds a full, hashed block of tokens keeps its hash while it waits: a request with the
+same prefix takes it back out in O(1) (a cache hit) until the pool hands it to someone
+else (an eviction). Uncached free blocks go to the front of the queue and cached ones to
+the back, so the least recently used cached block is evicted first and only once no
+worthless block is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has fewer free blocks than were asked for; nothing was allocated."""
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """What a cached block holds, kept to confirm a hash match exactly."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of a full block: its parent's hash and its own token ids."""
+    h = hashlib.sha256(parent_hash)
+    h.update(b",".join(str(t).encode() for t in token_ids))
+    return h.digest()[:16]
+
+
+class BlockAllocator:
+    """Hands out physical block ids 0..num_blocks-1, reference counted."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref_counts = [0] * num_blocks
+        # An OrderedDict is a doubly linked list with a hash index: O(1) pop from the front,
+        # append at either end, and removal from the middle on a cache hit.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._cached_by_hash: dict[bytes, int] = {}
+        self._cached_info: dict[int, CachedBlock] = {}
+        self.num_evictions = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now, cached-but-unreferenced ones included."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that carry a prefix-cache hash, referenced or not."""
+        return len(self._cached_info)
+
+    def ref_count(self, block: int) -> int:
+        self._check(block)
+        return self._ref_counts[block]
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in the order they will be allocated."""
+        return list(self._free)
+
+    def cached_info(self, block: int) -> CachedBlock | None:
+        return self._cached_info.get(block)
+
+    # -------------------------------------------------------------- allocation
+    def allocate(self) -> int:
+        if not self._free:
+            raise NoFreeBlocksError("no free KV blocks")
+        block, _ = self._free.popitem(last=False)
+        info = self._cached_info.pop(block, None)
+        if info is not None:
+            del self._cached_by_hash[info.block_hash]
+            self.num_evictions += 1
+        self._ref_counts[block] = 1
+        return block
+
+    def allocate_many(self, n: int) -> list[int]:
+        """All or nothing: n blocks, or NoFreeBlocksError and no change."""
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
+        return [self.allocate() for _ in range(n)]
+
+    def incref(self, block: int) -> None:
+        """One more block-table entry points at `block` (a fork or a cache hit)."""
+        self._check(block)
+        if self._ref_counts[block] == 0:
+            if block not in self._cached_info:
+                raise ValueError(f"block {block} is free and not cached; allocate it instead")
+            del self._free[block]
+        self._ref_counts[block] += 1
+
+    def free(self, block: int) -> None:
+        """Drop one reference; at zero the block returns to the free queue."""
+        self._check(block)
+        if self._ref_counts[block] == 0:
+            raise ValueError(f"double free of KV block {block}")
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._free[block] = None
+            if block not in self._cached_info:
+                self._free.move_to_end(block, last=False)
+
+    # ------------------------------------------------------------ prefix cache
+    def lookup(self, parent_hash: bytes, token_ids: Sequence[int]) -> tuple[int, bytes] | None:
+        """The cached block holding exactly these tokens after this parent, and its hash."""
+        block_hash = hash_block(parent_hash, token_ids)
+        block = self._cached_by_hash.get(block_hash)
+        if block is None:
+            return None
+        info = self._cached_info[block]
+        # Confirm: a hash collision must never hand out another prefix's K/V.
+        if info.parent_hash != parent_hash or info.token_ids != tuple(token_ids):
+            return None
+        return block, block_hash
+
+    def register(self, block: int, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+        """Record that `block` holds these (computed) tokens; returns the block's hash.
+
+        If another block already holds the same content, that one stays the cached copy.
+        """
+        self._check(block)
+        block_hash = hash_block(parent_hash, token_ids)
+        if block_hash not in self._cached_by_hash and block not in self._cached_info:
+            self._cached_by_hash[block_hash] = block
+            self._cached_info[block] = CachedBlock(block_hash, parent_hash, tuple(token_ids))
+        return block_hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use stay in use)."""
+        self._cached_by_hash.clear()
+        self._cached_info.clear()
+
+    def _check(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(
+                f"unknown KV block {block}; the pool has blocks 0..{self.num_blocks - 1}"
+            )

@@ -1,0 +1,109 @@
+"""BlockTable: one sequence's map from logical blocks to physical blocks.
+
+Token i lives in logical block i // block_size, slot i % block_size. The table grows by
+one block when its last block is full, never before; a write into a last block that
+other tables share copies it first (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from pagedllm.kv.allocator import BlockAllocator, NoFreeBlocksError
+
+
+class BlockTable:
+    def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
+        self.block_size = block_size
+        self.allocator = allocator
+        self.blocks: list[int] = []
+        # Tokens whose slots are claimed (written, or to be written by the current step).
+        self.num_tokens = 0
+        # Chained hashes of the leading full blocks already offered to the prefix cache.
+        self.block_hashes: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def slot(self, token_index: int) -> int:
+        """The physical slot (block id * block_size + offset) of token `token_index`."""
+        if not 0 <= token_index < self.capacity:
+            raise IndexError(f"token {token_index} is outside the table's {self.capacity} slots")
+        block = self.blocks[token_index // self.block_size]
+        return block * self.block_size + token_index % self.block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """New blocks (copy-on-write included) to hold `num_tokens` tokens in all."""
+        needed = max(0, -(-num_tokens // self.block_size) - len(self.blocks))
+        if self._next_write_is_shared(num_tokens):
+            needed += 1
+        return needed
+
+    def append_slots(self, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Claim slots so the table holds `num_tokens` tokens in all.
+
+        Returns the (source, destination) block copies that copy-on-write needs, or None
+        (and changes nothing) when the pool cannot serve the whole request.
+        """
+        needed = self.blocks_needed(num_tokens)
+        if needed > self.allocator.num_free_blocks:
+            return None
+        copies: list[tuple[int, int]] = []
+        if self._next_write_is_shared(num_tokens):
+            index = self.num_tokens // self.block_size
+            src = self.blocks[index]
+            dst = self.allocator.allocate()
+            self.allocator.free(src)
+            self.blocks[index] = dst
+            copies.append((src, dst))
+        while self.capacity < num_tokens:
+            self.blocks.append(self.allocator.allocate())
+        self.num_tokens = max(self.num_tokens, num_tokens)
+        return copies
+
+    def reserve(self, num_tokens: int) -> bool:
+        """Allocate blocks for `num_tokens` tokens up front (the contiguous-reservation
+        baselines) without claiming their slots; all or nothing."""
+        needed = max(0, -(-num_tokens // self.block_size) - len(self.blocks))
+        try:
+            self.blocks.extend(self.allocator.allocate_many(needed))
+        except NoFreeBlocksError:
+            return False
+        return True
+
+    def add_cached_blocks(self, blocks: list[int], block_hashes: list[bytes]) -> None:
+        """Start the table with prefix-cache hits (the caller took their references)."""
+        assert not self.blocks, "cached blocks only start an empty table"
+        self.blocks = list(blocks)
+        self.block_hashes = list(block_hashes)
+        self.num_tokens = len(blocks) * self.block_size
+
+    def fork(self) -> BlockTable:
+        """A new table pointing at the same physical blocks (reference counts go up)."""
+        child = BlockTable(self.block_size, self.allocator)
+        for block in self.blocks:
+            self.allocator.incref(block)
+        child.blocks = list(self.blocks)
+        child.num_tokens = self.num_tokens
+        child.block_hashes = list(self.block_hashes)
+        return child
+
+    def free(self) -> None:
+        """Release every block; the tail first, so a prefix's head stays cached longest."""
+        for block in reversed(self.blocks):
+            self.allocator.free(block)
+        self.blocks = []
+        self.block_hashes = []
+        self.num_tokens = 0
+
+    def _next_write_is_shared(self, num_tokens: int) -> bool:
+        """Whether the next token to be written lands in an existing block others share.
+
+        That block is never full: it is the partly filled last block after a fork, or an
+        empty block reserved up front."""
+        if num_tokens <= self.num_tokens:
+            return False
+        index = self.num_tokens // self.block_size
+        return index < len(self.blocks) and self.allocator.ref_count(self.blocks[index]) > 1

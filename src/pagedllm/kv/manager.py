@@ -1,0 +1,202 @@
+"""KVCacheManager: the block tables of all live sequences over one shared pool.
+
+It answers the scheduler's questions in block terms (can this sequence grow by n
+tokens? which cached prefix can a new request reuse?) and reports the pool's usage:
+the figures the engine exposes at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedllm.kv.allocator import BlockAllocator
+from pagedllm.kv.block_table import BlockTable
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of the pool."""
+
+    block_size: int
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    tokens_stored: int
+    shared_blocks: int
+    block_references: int  # block-table entries: the blocks in use were nothing shared
+
+    @property
+    def reserved_slots(self) -> int:
+        return self.used_blocks * self.block_size
+
+    @property
+    def empty_slots(self) -> int:
+        """Slots reserved but holding no token: internal fragmentation."""
+        return self.reserved_slots - self.tokens_stored
+
+    @property
+    def utilization(self) -> float:
+        """Tokens stored / slots reserved (1.0 for an empty pool)."""
+        return self.tokens_stored / self.reserved_slots if self.reserved_slots else 1.0
+
+    @property
+    def blocks_saved_by_sharing(self) -> int:
+        return self.block_references - self.used_blocks
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        watermark_blocks: int = 0,
+    ) -> None:
+        if not 1 <= block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {block_size}")
+        if not 0 <= watermark_blocks < num_blocks:
+            raise ValueError(
+                f"watermark_blocks must be in [0, {num_blocks - 1}], got {watermark_blocks}"
+            )
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = watermark_blocks
+        self.tables: dict[int, BlockTable] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    def table(self, seq_id: int) -> BlockTable:
+        return self.tables[seq_id]
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --------------------------------------------------------------- prefix cache
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Blocks of the longest cached prefix of full blocks, and their hashes.
+
+        The last token is never covered, so the step that admits the sequence still
+        computes at least one token and produces logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        parent = b""
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            hit = self.allocator.lookup(parent, token_ids[i * bs : (i + 1) * bs])
+            if hit is None:
+                break
+            blocks.append(hit[0])
+            hashes.append(hit[1])
+            parent = hit[1]
+        return blocks, hashes
+
+    def cache_computed_blocks(
+        self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Offer the sequence's newly computed full blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables[seq_id]
+        bs = self.block_size
+        for i in range(len(table.block_hashes), num_computed_tokens // bs):
+            parent = table.block_hashes[-1] if table.block_hashes else b""
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            table.block_hashes.append(self.allocator.register(table.blocks[i], parent, tokens))
+
+    # ------------------------------------------------------------------- growth
+    def allocate_slots(
+        self,
+        seq_id: int,
+        num_tokens: int,
+        cached_blocks: tuple[list[int], list[bytes]] | None = None,
+        reserve_tokens: int = 0,
+        keep_watermark: bool = False,
+    ) -> bool:
+        """Make the sequence's table hold `num_tokens` tokens in all.
+
+        A new sequence may start from prefix-cache hits (`cached_blocks`) and reserve
+        blocks for `reserve_tokens` up front. All or nothing: False and no change when
+        the pool cannot serve it (or would dip under the watermark, for admissions).
+        """
+        table = self.tables.get(seq_id)
+        is_new = table is None
+        if table is None:
+            table = BlockTable(self.block_size, self.allocator)
+        hits, hashes = cached_blocks or ([], [])
+        if is_new:
+            target = max(num_tokens, reserve_tokens)
+            new_blocks = max(0, self.blocks_for_tokens(target) - len(hits))
+        else:
+            new_blocks = table.blocks_needed(num_tokens)
+        # Cache hits that sit in the free queue stop being free when taken.
+        hits_from_free = sum(1 for b in hits if self.allocator.ref_count(b) == 0)
+        margin = self.watermark_blocks if keep_watermark else 0
+        if new_blocks + hits_from_free + margin > self.num_free_blocks:
+            return False
+        if is_new:
+            self.tables[seq_id] = table
+            for block in hits:
+                self.allocator.incref(block)
+            if hits:
+                table.add_cached_blocks(hits, hashes)
+            if reserve_tokens:
+                table.reserve(reserve_tokens)
+        copies = table.append_slots(num_tokens)
+        assert copies is not None, "checked above"
+        self._pending_copies.extend(copies)
+        return True
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        if child_id in self.tables:
+            raise ValueError(f"sequence {child_id} already has a block table")
+        self.tables[child_id] = self.tables[parent_id].fork()
+
+    def free(self, seq_id: int) -> None:
+        table = self.tables.pop(seq_id, None)
+        if table is None:
+            return
+        if self._pending_copies:
+            # A copy into a block this sequence held would only write into a freed block.
+            gone = set(table.blocks)
+            self._pending_copies = [c for c in self._pending_copies if c[1] not in gone]
+        table.free()
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write block copies the worker must do before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ------------------------------------------------------------------ figures
+    def usage(self) -> KVUsage:
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        references = 0
+        for table in self.tables.values():
+            references += len(table.blocks)
+            for i, block in enumerate(table.blocks):
+                n = min(bs, max(0, table.num_tokens - i * bs))
+                filled[block] = max(filled.get(block, 0), n)
+        alloc = self.allocator
+        return KVUsage(
+            block_size=bs,
+            num_blocks=alloc.num_blocks,
+            used_blocks=alloc.num_used_blocks,
+            free_blocks=alloc.num_free_blocks,
+            cached_blocks=alloc.num_cached_blocks,
+            tokens_stored=sum(filled.values()),
+            shared_blocks=sum(1 for b in filled if alloc.ref_count(b) > 1),
+            block_references=references,
+        )

@@ -1,0 +1,164 @@
+"""SamplingParams and BeamSearchParams: how one request's tokens are chosen.
+
+Validated on creation: a bad value raises ValueError naming the field and its allowed
+range, the same message the server returns as HTTP 400. Plain Python (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        if self.best_of is not None:
+            _check(
+                _is_int(self.best_of) and self.best_of >= self.n,
+                "best_of",
+                f"an integer >= n ({self.n})",
+                self.best_of,
+            )
+        _check(
+            _is_num(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "in [0, inf)",
+            self.temperature,
+        )
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
+            "top_k",
+            "-1 or 0 (disabled) or an integer >= 1",
+            self.top_k,
+        )
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        if self.seed is not None:
+            _check(_is_int(self.seed), "seed", "an integer or None", self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_num(v) and -2 <= v <= 2, name, "in [-2, 2]", v)
+        _check(
+            _is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+            "repetition_penalty",
+            "in (0, 10]",
+            self.repetition_penalty,
+        )
+        if self.max_tokens is not None:
+            _check(
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
+                "max_tokens",
+                "an integer >= 1",
+                self.max_tokens,
+            )
+        upper = self.max_tokens if self.max_tokens is not None else "inf"
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or 1 << 62),
+            "min_tokens",
+            f"an integer in [0, max_tokens={upper}]",
+            self.min_tokens,
+        )
+        if self.logprobs is not None:
+            _check(
+                _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"an integer in [0, {MAX_LOGPROBS}]",
+                self.logprobs,
+            )
+        stop = self.stop
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        _check(
+            all(isinstance(s, str) and s for s in stops),
+            "stop",
+            "a non-empty string or a list of them",
+            self.stop,
+        )
+        object.__setattr__(self, "stop", stops)
+        ids = tuple(self.stop_token_ids or ())
+        _check(
+            all(_is_int(t) and t >= 0 for t in ids),
+            "stop_token_ids",
+            "a list of token ids >= 0",
+            self.stop_token_ids,
+        )
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences sampled for the request (best_of of them, n returned)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Deterministic beam search, scored as transformers does (see engine/beam_search.py)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(
+            _is_int(self.beam_width) and self.beam_width >= 1,
+            "beam_width",
+            "an integer >= 1",
+            self.beam_width,
+        )
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            "an integer >= 1",
+            self.max_tokens,
+        )
+        _check(
+            _is_num(self.length_penalty), "length_penalty", "a finite number", self.length_penalty
+        )

@@ -1,0 +1,1 @@
+"""The worker: the physical KV tensors, the per-step tensor building, and sampling."""

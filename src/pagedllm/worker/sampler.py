@@ -1,0 +1,148 @@
+"""Sampler: chooses each sample's next token from logits, vectorised over the batch.
+
+Applies, in order: min_tokens suppression, repetition/frequency/presence penalties,
+temperature, top-k, top-p and min-p; then samples with the exponential-race trick
+(argmax of probs / Exp(1) noise), whose noise comes from the sample's own generator when
+the request has a seed, so a seeded request draws the same tokens whatever else is in
+the batch. Greedy rows take the argmax. Log-probabilities are those of the model's raw
+distribution, as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One token to draw: from logits row `logits_row`, with these parameters."""
+
+    logits_row: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_ids: tuple[int, ...] | list[int] = ()  # read only when penalties are set
+    output_ids: tuple[int, ...] | list[int] = ()
+    suppressed_ids: tuple[int, ...] = ()  # EOS and stop ids while under min_tokens
+    num_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token
+    top_ids: list[list[int]]  # per row, the num_logprobs most likely tokens
+    top_logprobs: list[list[float]]
+
+
+def _pad_ids(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0) or 1
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, : len(r)] = True
+    return ids.to(device), mask.to(device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    device = logits.device
+    vocab = logits.shape[1]
+    out_ids, out_mask = _pad_ids([list(r.output_ids) for r in rows], device)
+    counts = torch.zeros_like(logits).scatter_add_(1, out_ids, out_mask.float())
+    prompt_ids, prompt_mask = _pad_ids([list(r.prompt_ids) for r in rows], device)
+    seen = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)
+    seen.scatter_(1, prompt_ids, prompt_mask)
+    seen |= counts > 0
+
+    def col(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(r.params, name) for r in rows], device=device)[:, None]
+
+    rep = col("repetition_penalty")
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - col("frequency_penalty") * counts
+    return logits - col("presence_penalty") * (counts > 0).float()
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device)
+    drop = ranks[None, :] >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token once the more likely ones already reach top_p (the first always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        device = logits.device
+        index = torch.tensor([r.logits_row for r in rows], device=device)
+        logits = logits.index_select(0, index).float()
+        raw_logprobs = logits.log_softmax(dim=-1)
+        suppressed = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_ids]
+        if suppressed:
+            ri, ti = zip(*suppressed, strict=True)
+            logits[list(ri), list(ti)] = float("-inf")
+        if any(r.params.has_penalties for r in rows):
+            logits = apply_penalties(logits, rows)
+
+        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._sample(logits, rows))
+
+        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+        k = max(r.num_logprobs for r in rows)
+        if k:
+            top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+            top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
+        else:
+            top_ids_l = top_lp_l = [[] for _ in rows]
+        return SamplerOutput(
+            token_ids=tokens.tolist(),
+            logprobs=chosen.tolist(),
+            top_ids=[ids[: r.num_logprobs] for ids, r in zip(top_ids_l, rows, strict=True)],
+            top_logprobs=[lp[: r.num_logprobs] for lp, r in zip(top_lp_l, rows, strict=True)],
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[1]
+        temps = torch.tensor(
+            [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
+            device=device,
+        )
+        logits = logits / temps[:, None]
+        top_k = torch.tensor(
+            [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device
+        )
+        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        if bool((min_p > 0).any()):
+            floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=device)
+            noise[idx] = torch.empty((len(unseeded), vocab), device=device).exponential_(
+                generator=self.generator
+            )
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,157 @@
+"""LLMEngine and LLM on a tiny random Llama: greedy outputs equal transformers' token for
+token whatever the batching, block size, chunking or preemption; aborts free every block;
+bad requests are rejected with a ValueError naming the limit or field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, load_hf
+from pagedllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 17, 33, 1, 40, 9, 16)]
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_llama_dir, prompts) -> list[list[int]]:
+    hf = load_hf(tiny_llama_dir)
+    return [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def assert_pool_whole(llm: LLM) -> None:
+    kv = llm.engine.kv
+    assert kv.allocator.num_free_blocks == kv.num_blocks
+    assert not kv.tables
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(block_size=16),
+        dict(block_size=1, num_kv_blocks=2000),
+        dict(block_size=8, max_num_seqs=3),
+        dict(block_size=32, enable_prefix_caching=False),
+    ],
+)
+def test_batched_greedy_equals_transformers(tiny_llama_dir, prompts, oracle, options) -> None:
+    llm = LLM(str(tiny_llama_dir), **options)
+    outs = generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == oracle
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert_pool_whole(llm)
+
+
+def test_preemption_keeps_outputs_exact(tiny_llama_dir, prompts, oracle) -> None:
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=24, watermark=0.0)
+    outs = generate(llm, prompts)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sum(o.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions
+    assert [o.outputs[0].token_ids for o in outs] == oracle
+    assert_pool_whole(llm)
+
+
+def test_chunked_prefill_keeps_outputs_exact(tiny_llama_dir, prompts, oracle) -> None:
+    llm = LLM(str(tiny_llama_dir), block_size=8, max_num_batched_tokens=6)
+    outs = generate(llm, prompts)
+    # 40-token prompt under a 6-token budget: at least 7 steps before its first token.
+    assert llm.engine.stats.steps >= 40 // 6 + GREEDY.max_tokens
+    assert [o.outputs[0].token_ids for o in outs] == oracle
+    assert_pool_whole(llm)
+
+
+def test_abort_frees_every_block(tiny_llama_dir, prompts) -> None:
+    llm = LLM(str(tiny_llama_dir), block_size=4)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.kv.allocator.num_used_blocks > 0
+    assert engine.abort("r4")
+    assert not engine.abort("r4")  # already gone
+    for i in range(len(prompts)):
+        engine.abort(f"r{i}")
+    assert not engine.has_unfinished_requests()
+    assert_pool_whole(llm)
+
+
+def test_over_long_and_oversized_requests_are_rejected(tiny_llama_dir) -> None:
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=8, max_model_len=64)
+    with pytest.raises(ValueError, match=r"exceeds max_model_len \(64\)"):
+        llm.generate([{"prompt_token_ids": [1] * 60}], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="the pool has 8 usable blocks"):
+        llm.generate([{"prompt_token_ids": [1] * 30}], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 127\]"):
+        llm.generate([{"prompt_token_ids": [500]}])
+    with pytest.raises(ValueError, match="at least one token"):
+        llm.generate([{"prompt_token_ids": []}])
+    # Nothing was left queued or allocated by the rejected requests.
+    assert not llm.engine.has_unfinished_requests()
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-5), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(n=3, best_of=2), "best_of"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(min_tokens=9, max_tokens=4), "min_tokens"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} must be"):
+        SamplingParams(**kwargs)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir, prompts) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
+    alone = generate(llm, [prompts[1]], seeded)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)
+    mixed = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [others, seeded, *[others] * (len(prompts) - 2)],
+        use_tqdm=False,
+    )
+    assert mixed[1].outputs[0].token_ids == alone
+    again = generate(llm, [prompts[1]], seeded)[0].outputs[0].token_ids
+    assert again == alone
+
+
+def test_stop_token_ids_and_max_tokens(tiny_llama_dir, prompts, oracle) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    stop_at = oracle[0][5]
+    first = oracle[0].index(stop_at)
+    out = generate(
+        llm,
+        [prompts[0]],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_at]),
+    )[0].outputs[0]
+    assert out.token_ids == oracle[0][: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
+    out = generate(llm, [prompts[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[
+        0
+    ].outputs[0]
+    assert out.token_ids == oracle[0][:3] and out.finish_reason == "length"

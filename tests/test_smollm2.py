@@ -1,0 +1,115 @@
+"""The real default model (SmolLM2-135M-Instruct, GGUF Q4_1) against transformers loading
+the same GGUF: identical greedy continuations, token for token, whether the prompts run
+alone in transformers or together in pagedllm, with preemption and with chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.loader import load_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "A haiku about autumn leaves:",
+    "The quick brown fox",
+    "In 1969, the first humans to walk on the Moon were",
+    "To make a cup of tea, first",
+    "The largest planet in the solar system is",
+    "Photosynthesis is the process by which plants",
+    "My favourite programming language is Python because",
+    "1, 2, 3, 4, 5,",
+    "The best way to learn a new language is to practise speaking it every day with native "
+    "speakers, read books and newspapers, watch films with subtitles, and",
+    "Q: What is the boiling point of water in Fahrenheit?\nA:",
+    "Dear team, I am writing to let you know that the quarterly report",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(loaded) -> list[list[int]]:
+    return [loaded.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def oracle(loaded, prompt_ids) -> list[list[int]]:
+    """Each prompt generated alone by transformers (greedy, stopping at EOS)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        loaded.hf_dir, gguf_file=loaded.gguf_file, dtype=torch.float32
+    ).eval()
+    eos = hf.generation_config.eos_token_id
+    outs = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        y = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+        outs.append(y[0, len(ids) :].tolist())
+    return outs
+
+
+def run(loaded, prompt_ids, **options):
+    llm = LLM(loaded=loaded, **options)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompt_ids],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        use_tqdm=False,
+    )
+    kv = llm.engine.kv
+    assert kv.allocator.num_free_blocks == kv.num_blocks  # nothing leaked
+    return llm, [o.outputs[0].token_ids for o in outs], outs
+
+
+def test_config_and_capital_of_france(loaded) -> None:
+    cfg = loaded.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    llm = LLM(loaded=loaded)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_alone_four_prompts_match_transformers(loaded, prompt_ids, oracle) -> None:
+    for i in range(4):
+        _, got, _ = run(loaded, [prompt_ids[i]])
+        assert got[0] == oracle[i], PROMPTS[i]
+
+
+def test_sixteen_prompts_batched_match_transformers(loaded, prompt_ids, oracle) -> None:
+    _, got, outs = run(loaded, prompt_ids)
+    assert got == oracle
+    assert all(o.outputs[0].text for o in outs)
+
+
+def test_preemption_keeps_outputs_exact(loaded, prompt_ids, oracle) -> None:
+    llm, got, _ = run(loaded, prompt_ids, num_kv_blocks=24, watermark=0.0)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == oracle
+
+
+def test_chunked_prefill_keeps_outputs_exact(loaded, prompt_ids, oracle) -> None:
+    assert max(map(len, prompt_ids)) > 24
+    llm, got, _ = run(loaded, prompt_ids, max_num_batched_tokens=24, block_size=8)
+    # The prompts alone needed more steps than a whole-prompt prefill would take.
+    assert llm.engine.stats.steps >= sum(map(len, prompt_ids)) // 24 + MAX_TOKENS
+    assert got == oracle
