@@ -50,7 +50,7 @@ def simulate(seed: int, steps: int = 150, caching: bool = True) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
     sched = Scheduler(
         SchedulerConfig(
-            max_model_len=num_blocks * block_size // 3,
+            max_model_len=num_blocks * block_size // 2,
             max_num_seqs=rng.randint(1, 8),
             max_num_batched_tokens=rng.randint(1, 32),
         ),
@@ -60,10 +60,10 @@ def simulate(seed: int, steps: int = 150, caching: bool = True) -> Scheduler:
     limits: dict[str, int] = {}
     next_id = 0
     for _ in range(steps):
-        if rng.random() < 0.3:
+        if rng.random() < 0.5:
             prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(0, 6))]
             n = rng.choice([1, 1, 1, 2, 3])
-            max_new = rng.randint(1, 12)
+            max_new = rng.randint(1, 30)
             try:
                 sched.check_fits(len(prompt), max_new, n)
             except ValueError:
@@ -94,8 +94,19 @@ def simulate(seed: int, steps: int = 150, caching: bool = True) -> Scheduler:
                     targets.append(child)
             for t in targets:
                 t.token_ids.append(rng.randrange(50))
-                if t.num_output_tokens >= limits[req.request_id] or rng.random() < 0.05:
+                if t.num_output_tokens >= limits[req.request_id] or rng.random() < 0.02:
                     sched.finish_seq(req, t)
+        for req in list(sched.running):
+            # A beam-search step: a beam forks (sharing every block) and another is dropped.
+            if req.max_num_seqs > 1 and req.seqs[0].num_output_tokens > 0 and rng.random() < 0.3:
+                parent = rng.choice(req.seqs)
+                if len(req.seqs) < req.max_num_seqs:
+                    child = Sequence(
+                        sched.new_seq_id(), list(parent.token_ids), parent.num_prompt_tokens
+                    )
+                    sched.fork(req, parent, child)
+                if rng.random() < 0.5:
+                    sched.finish_seq(req, rng.choice(req.seqs))
         check_invariants(sched)
     for rid in list(sched.requests):
         sched.abort(rid)
@@ -111,14 +122,24 @@ def test_pool_stays_consistent(seed: int, caching: bool) -> None:
     simulate(seed, caching=caching)
 
 
-def test_many_steps_with_preemptions_and_cache_hits() -> None:
+def test_many_steps_with_preemptions_copies_and_cache_hits(monkeypatch) -> None:
+    copies = 0
+    take = KVCacheManager.take_copies
+
+    def counting(self: KVCacheManager) -> list[tuple[int, int]]:
+        nonlocal copies
+        out = take(self)
+        copies += len(out)
+        return out
+
+    monkeypatch.setattr(KVCacheManager, "take_copies", counting)
     preemptions = hits = 0
     for seed in range(20):
         sched = simulate(seed, steps=400)
         preemptions += sched.num_preemptions
         hits += sched.prefix_hit_tokens
-    # The randomized runs really exercise preemption and the prefix cache.
-    assert preemptions > 0 and hits > 0
+    # The randomized runs really exercise preemption, copy-on-write and the prefix cache.
+    assert preemptions > 0 and hits > 0 and copies > 0
 
 
 def test_requests_run_to_completion_without_aborts() -> None:

@@ -45,13 +45,19 @@ def prompt_ids(loaded) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def oracle(loaded, prompt_ids) -> list[list[int]]:
-    """Each prompt generated alone by transformers (greedy, stopping at EOS)."""
+def hf_model(loaded):
+    """transformers loading the same GGUF: the oracle."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         loaded.hf_dir, gguf_file=loaded.gguf_file, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="module")
+def oracle(hf_model, prompt_ids) -> list[list[int]]:
+    """Each prompt generated alone by transformers (greedy, stopping at EOS)."""
+    hf = hf_model
     eos = hf.generation_config.eos_token_id
     outs = []
     for ids in prompt_ids:
@@ -113,3 +119,45 @@ def test_chunked_prefill_keeps_outputs_exact(loaded, prompt_ids, oracle) -> None
     # The prompts alone needed more steps than a whole-prompt prefill would take.
     assert llm.engine.stats.steps >= sum(map(len, prompt_ids)) // 24 + MAX_TOKENS
     assert got == oracle
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_matches_transformers(loaded, hf_model, prompt_ids, width) -> None:
+    from pagedllm import BeamSearchParams
+
+    hf = hf_model
+    eos = hf.generation_config.eos_token_id
+    llm = LLM(loaded=loaded)
+    chosen = [prompt_ids[0], prompt_ids[14]]
+    params = BeamSearchParams(beam_width=width, max_tokens=16)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in chosen], params, use_tqdm=False)
+    for ids, out in zip(chosen, outs, strict=True):
+        x = torch.tensor([ids])
+        y = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            num_beams=width,
+            do_sample=False,
+            max_new_tokens=16,
+            early_stopping=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+        ref = y[0, len(ids) :].tolist()
+        if eos in ref:  # transformers pads finished beams
+            ref = ref[: ref.index(eos) + 1]
+        assert out.outputs[0].token_ids == ref
+    kv = llm.engine.kv
+    assert kv.allocator.num_free_blocks == kv.num_blocks
+
+
+def test_stop_string_is_cut_from_the_text(loaded, prompt_ids) -> None:
+    llm = LLM(loaded=loaded)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    full = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0]
+    assert "Paris" in full.text
+    stop = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["Paris"])
+    out = llm.generate(["The capital of France is"], stop, use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", "Paris")
+    assert out.text == full.text[: full.text.index("Paris")]
+    assert len(out.token_ids) < len(full.token_ids)

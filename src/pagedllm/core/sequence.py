@@ -55,6 +55,7 @@ class Request:
     max_num_seqs: int = 1  # sequences it may grow to (n, best_of or the beam width)
     reserve_tokens: int = 0  # tokens reserved at admission (contiguous baselines only)
     params: Any = None  # SamplingParams or BeamSearchParams, for the engine
+    beam: Any = None  # the engine's beam-search state, for beam-search requests
     arrival_time: float = 0.0
     prompt: str | None = None
     first_token_time: float | None = None

@@ -16,19 +16,22 @@ import torch
 from pagedllm.core.reservation import reserve_tokens
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.core.sequence import Request, Sequence
+from pagedllm.engine.beam_search import BeamState, advance_beams
 from pagedllm.engine.config import EngineConfig, parse_size
-from pagedllm.engine.detokenizer import detokenize_incrementally, start_offsets
-from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.engine.detokenizer import start_offsets
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.stats import EngineStats
 from pagedllm.kv.manager import KVCacheManager, KVUsage
 from pagedllm.loader import LoadedModel, load_model
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.kv_cache import PagedKVCache, bytes_per_block
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import Sampler, SampleRow
 
 logger = logging.getLogger("pagedllm")
+_GREEDY = SamplingParams(temperature=0)
 
 
 class LLMEngine:
@@ -79,6 +82,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self.stats = EngineStats()
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         logger.info(
             "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d",
             num_blocks,
@@ -93,11 +97,17 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Seq[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; ValueError if it is malformed or could never fit."""
+        """Queue a request; ValueError if it is malformed or could never fit.
+
+        With BeamSearchParams the request runs a beam search in the engine.
+        """
         params = params or SamplingParams()
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam = BeamState(params, frozenset(self.eos_token_ids))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids")
@@ -110,12 +120,15 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab - 1}]")
         max_new = params.max_tokens or max(self.max_model_len - len(prompt_ids), 1)
-        self.scheduler.check_fits(len(prompt_ids), max_new, params.num_seqs)
-        seq = self._new_seq(prompt_ids, generator=self._generator(params.seed, 0))
+        num_seqs = params.beam_width if beam else params.num_seqs
+        self.scheduler.check_fits(len(prompt_ids), max_new, num_seqs)
+        seed = None if beam else params.seed
+        seq = self._new_seq(prompt_ids, generator=self._generator(seed, 0))
         request = Request(
             request_id=request_id,
             seqs=[seq],
-            max_num_seqs=params.num_seqs,
+            max_num_seqs=num_seqs,
+            beam=beam,
             reserve_tokens=reserve_tokens(
                 self.config.kv_reservation, len(prompt_ids), max_new, self.max_model_len
             ),
@@ -155,15 +168,20 @@ class LLMEngine:
         # Rows of `logits` follow the scheduled sequences that need them, in order.
         rows: list[SampleRow] = []
         targets: list[tuple[Request, Sequence]] = []
+        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
         row = 0
         for s in step.seqs:
             if not s.needs_logits:
                 continue
             req = self.scheduler.requests[s.request_id]
             seq = next(q for q in req.seqs if q.seq_id == s.seq_id)
-            for target in self._samples_for(req, seq):
-                rows.append(self._sample_row(row, req.params, target))
-                targets.append((req, target))
+            if req.beam is not None:
+                beam_rows.setdefault(req.request_id, []).append((seq, len(rows)))
+                rows.append(SampleRow(row, _GREEDY, num_logprobs=2 * req.params.beam_width))
+            else:
+                for target in self._samples_for(req, seq):
+                    rows.append(self._sample_row(row, req.params, target))
+                    targets.append((req, target))
             row += 1
         if not rows:
             return []
@@ -171,6 +189,11 @@ class LLMEngine:
 
         now = time.time()
         touched: dict[str, Request] = {}
+        for request_id, entries in beam_rows.items():
+            req = self.scheduler.requests[request_id]
+            self._advance_beams(req, entries, sampled.top_ids, sampled.top_logprobs)
+            touched[request_id] = req
+            req.first_token_time = req.first_token_time or now
         for i, (req, seq) in enumerate(targets):
             token = sampled.token_ids[i]
             seq.token_ids.append(token)
@@ -179,7 +202,7 @@ class LLMEngine:
                 top = dict(zip(sampled.top_ids[i], sampled.top_logprobs[i], strict=True))
                 top[token] = sampled.logprobs[i]
                 seq.output_logprobs.append(top)
-            self._check_stop(req, seq)
+            self.output.check_stop(req.params, seq)
             touched[req.request_id] = req
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -187,10 +210,34 @@ class LLMEngine:
         for req in touched.values():
             for seq in [s for s in req.seqs if s.finish_reason is not None]:
                 self.scheduler.finish_seq(req, seq)
-            outputs.append(self._make_output(req, finished=not req.seqs, now=now))
+            outputs.append(self.output.make_output(req, finished=not req.seqs, now=now))
         return outputs
 
     # ---------------------------------------------------------------- helpers
+    def _advance_beams(
+        self,
+        req: Request,
+        entries: list[tuple[Sequence, int]],
+        top_ids: list[list[int]],
+        top_logprobs: list[list[float]],
+    ) -> None:
+        def fork(r: Request, parent: Sequence) -> Sequence:
+            child = self._new_seq(
+                parent.token_ids,
+                None,
+                index=len(r.seqs),
+                num_prompt_tokens=parent.num_prompt_tokens,
+            )
+            self.scheduler.fork(r, parent, child)
+            return child
+
+        beams = [seq for seq, _ in entries]
+        top = [(top_ids[i], top_logprobs[i]) for _, i in entries]
+        done = advance_beams(req, req.beam, beams, top, fork, self.scheduler.finish_seq)
+        if done:
+            for seq in list(req.seqs):
+                self.scheduler.finish_seq(req, seq)
+
     def _new_seq(
         self,
         token_ids: list[int],
@@ -243,68 +290,4 @@ class LLMEngine:
             output_ids=seq.output_token_ids if penalties else (),
             suppressed_ids=suppressed,
             num_logprobs=params.logprobs or 0,
-        )
-
-    def _check_stop(self, req: Request, seq: Sequence) -> None:
-        params: SamplingParams = req.params
-        token = seq.token_ids[-1]
-        n_out = seq.num_output_tokens
-        if self.tokenizer is not None:
-            detokenize_incrementally(self.tokenizer, seq, params.skip_special_tokens)
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason = "stop"
-                return
-            if token in params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-                return
-            if params.stop and self._cut_at_stop_string(seq, params):
-                return
-        if (params.max_tokens is not None and n_out >= params.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
-        ):
-            seq.finish_reason = "length"
-
-    @staticmethod
-    def _cut_at_stop_string(seq: Sequence, params: SamplingParams) -> bool:
-        for stop in params.stop:
-            at = seq.output_text.find(stop)
-            if at >= 0:
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                seq.output_text = seq.output_text[:end]
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                return True
-        return False
-
-    def _make_output(self, req: Request, finished: bool, now: float) -> RequestOutput:
-        params = req.params
-        seqs = req.finished_seqs + req.seqs
-        if finished and params.best_of is not None and params.best_of > params.n:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
-        else:
-            seqs = sorted(seqs, key=lambda s: s.index)
-        completions = [
-            CompletionOutput(
-                index=i,
-                text=s.output_text,
-                token_ids=s.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.output_logprobs if params.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for i, s in enumerate(seqs)
-        ]
-        first = (req.finished_seqs + req.seqs)[0]
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=RequestMetrics(
-                req.arrival_time, req.first_token_time, now if finished else None
-            ),
-            num_preemptions=req.num_preemptions,
         )

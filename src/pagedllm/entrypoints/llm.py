@@ -18,7 +18,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.loader import LoadedModel
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptInput = str | dict[str, Any] | Sequence[int]
 Message = dict[str, str]
@@ -37,7 +37,7 @@ class LLM:
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | BeamSearchParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order."""
@@ -46,7 +46,9 @@ class LLM:
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(
+            sampling_params, (SamplingParams, BeamSearchParams)
+        ):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params_list = list(sampling_params)
@@ -65,6 +67,15 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search in the engine; each output lists its beams best first."""
+        return self.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
 
     def chat(
         self,
