@@ -24,12 +24,19 @@ def positive_int(text: str) -> int:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that builds an engine."""
-    p.add_argument("--model", default=None,
-                   help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1..256)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 256MiB")
-    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
-                   help="KV pool size in blocks (overrides --kv-cache-memory)")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        default=None,
+        help="KV pool size in blocks (overrides --kv-cache-memory)",
+    )
     p.add_argument("--max-num-seqs", type=positive_int, default=128)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--max-model-len", type=positive_int, default=None)
@@ -59,8 +66,11 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text for one or more prompts")
     p.add_argument("prompts", nargs="*", help="prompts (or use --prompts-file)")
-    p.add_argument("--prompts-file", default=None,
-                   help="one JSON string, or object with 'prompt'/'prompt_token_ids', per line")
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        help="one JSON string, or object with 'prompt'/'prompt_token_ids', per line",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -82,7 +92,9 @@ def _read_prompts(args: argparse.Namespace) -> list[Any]:
             with open(args.prompts_file, encoding="utf-8") as f:
                 lines = [line for line in f if line.strip()]
         except OSError as e:
-            raise ValueError(f"cannot read --prompts-file: {e.strerror}: {args.prompts_file}")
+            raise ValueError(
+                f"cannot read --prompts-file: {e.strerror}: {args.prompts_file}"
+            ) from None
         for n, line in enumerate(lines, 1):
             try:
                 prompts.append(json.loads(line))
@@ -99,8 +111,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
     prompts = _read_prompts(args)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, n=args.n, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        n=args.n,
+        ignore_eos=args.ignore_eos,
     )
     llm = LLM(args.model, **engine_options(args))
     if args.chat:
@@ -129,9 +146,15 @@ def run_generate(args: argparse.Namespace) -> int:
         "prefix_cache_hit_rate": round(engine.scheduler.prefix_hit_rate, 4),
     }
     if args.json:
-        print(json.dumps({
-            "outputs": [[c.text for c in o.outputs] for o in outputs], "summary": summary,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "outputs": [[c.text for c in o.outputs] for o in outputs],
+                    "summary": summary,
+                },
+                indent=2,
+            )
+        )
         return 0
     for i, out in enumerate(outputs):
         for c in out.outputs:
@@ -153,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from pagedllm.entrypoints.server.serve_cli import add_serve_parser  # imports this module
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,299 @@
+"""AsyncLLMEngine: one background thread drives LLMEngine.step() for asyncio consumers.
+
+Every engine call (add_request, abort, step, and any `call(fn)`) runs on that one thread,
+so the engine needs no locks. Consumers hand it commands and get results back through
+`loop.call_soon_threadsafe`; each request streams its cumulative RequestOutputs into its
+own asyncio queue. The thread sleeps on a condition while there is nothing to do. A
+failure is contained: a request whose add or delivery raises fails alone; if step()
+raises, the requests running in that step fail with the error and the loop serves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.kv.manager import KVUsage
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+T = TypeVar("T")
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are already waiting: retry later (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (or stopped before it finished)."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's figures after the loop's latest iteration; safe to read from any thread."""
+
+    usage: KVUsage
+    num_running: int
+    num_waiting: int
+    num_running_seqs: int
+    num_preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_steps: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        queried = self.prefix_query_tokens
+        return self.prefix_hit_tokens / queried if queried else 0.0
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. Leaving it early (break, an
+    exception, cancellation, `async with` exit) aborts the request and frees its blocks."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # on the engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.num_iterations = 0  # loop wake-ups that did work: stays put while idle
+        self.num_steps = 0
+        self._cond = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._paused = False
+        self.snapshot = self._take_snapshot()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:  # False once the loop thread died without being shut down
+        return self._thread is None or self._thread.is_alive()
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop; unfinished requests are aborted and their consumers fail."""
+        with self._cond:
+            thread, self._stopping = self._thread, True
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(timeout)
+        self._thread = None
+
+    def pause(self) -> None:
+        """Stop stepping: requests are still added and aborted, but make no progress."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread, after every command submitted before it."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result: Any = fn()
+            except BaseException as exc:
+                loop.call_soon_threadsafe(_resolve, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_resolve, future, result, None)
+
+        self._submit(run)
+        return await future
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | Callable[[], str | Sequence[int]],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request and return its stream. Raises ValueError (bad request) or
+        EngineOverloadedError (more than `max_waiting` waiting). `prompt` may be a
+        callable, run on the engine thread (e.g. to apply a chat template)."""
+        stream = RequestStream(self, request_id)
+
+        def add() -> None:
+            waiting = len(self.engine.scheduler.waiting)
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise EngineOverloadedError(
+                    f"the server is overloaded: {waiting} requests are waiting "
+                    f"(max_waiting={self.max_waiting}); retry later"
+                )
+            resolved = prompt() if callable(prompt) else prompt
+            self.engine.add_request(request_id, resolved, params, arrival_time)
+            self._streams[request_id] = stream
+
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added after all
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its blocks are freed before the next step."""
+
+        def run() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._submit(run)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._commands) and (
+                    self._paused or not self.engine.has_unfinished_requests()
+                ):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+                paused = self._paused
+            self.num_iterations += 1
+            self._run(commands)
+            if not paused and self.engine.has_unfinished_requests():
+                self._step()
+            self.snapshot = self._take_snapshot()
+        self._fail_all(RequestFailedError("the engine was shut down"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests in that step")
+            in_step = [r.request_id for r in self.engine.scheduler.running]
+            error = RequestFailedError(f"the engine failed: {type(exc).__name__}: {exc}")
+            for request_id in in_step:
+                self._fail(request_id, error)
+            return
+        self.num_steps += 1
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            try:
+                stream._put(out)
+            except Exception as exc:  # e.g. the consumer's event loop is gone
+                self._fail(out.request_id, exc)
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            logger.exception("aborting request %s failed", request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            with contextlib.suppress(Exception):  # the consumer's loop may be gone
+                stream._put(error)
+
+    @staticmethod
+    def _run(commands: list[Callable[[], None]]) -> None:
+        for command in commands:
+            try:
+                command()
+            except Exception:  # commands report their own errors; never kill the loop
+                logger.exception("engine command failed")
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:  # run what was submitted (aborts, queries) before stopping
+            commands = list(self._commands)
+            self._commands.clear()
+        self._run(commands)
+        for request_id in [*self._streams, *self.engine.scheduler.requests]:
+            self._fail(request_id, error)
+        self.snapshot = self._take_snapshot()
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        sched = self.engine.scheduler
+        return EngineSnapshot(
+            usage=self.engine.kv.usage(),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_running_seqs=sched.num_running_seqs,
+            num_preemptions=sched.num_preemptions,
+            prefix_query_tokens=sched.prefix_query_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            num_steps=self.num_steps,
+        )
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if not future.done():  # else the caller was cancelled
+        future.set_exception(exc) if exc is not None else future.set_result(result)

@@ -1,0 +1,114 @@
+"""Errors in the OpenAI format: `{"error": {"message", "type", "param", "code"}}`.
+
+`APIError` carries an HTTP status; the handlers installed by `install_error_handlers`
+turn it, FastAPI's own errors and any unexpected exception into that format. A stack
+trace never reaches the client (unexpected errors are logged on the server).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("pagedllm")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """400 naming the first offending field, e.g. `max_tokens: Input should be ...`."""
+    err = exc.errors()[0]
+    parts = [str(p) for p in err.get("loc", ()) if not _is_union_tag(p)]
+    if parts and parts[0] == "body":  # FastAPI prefixes body fields
+        parts = parts[1:]
+    field = ".".join(parts)
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        message = f"missing required field '{field}'"
+    elif field:
+        message = f"invalid field '{field}': {msg}"
+    else:
+        message = f"invalid request body: {msg}"
+    return APIError(400, message, param=parts[0] if parts else None, code="invalid_field")
+
+
+def _is_union_tag(part: object) -> bool:
+    # pydantic names the member of a union it tried: ('prompt', 'list[int]', 1)
+    return isinstance(part, str) and (
+        "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
+    )
+
+
+def install_error_handlers(
+    app: FastAPI, on_error: Callable[[APIError], None] | None = None
+) -> None:
+    """Answer every error in the OpenAI format; `on_error` sees each APIError (metrics)."""
+
+    def respond(exc: APIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(exc)
+        return exc.response()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return respond(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(from_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return respond(APIError(500, "internal server error", code="internal_error"))

@@ -1,0 +1,82 @@
+"""`pagedllm serve`: load the model, build the engine and run the OpenAI-compatible server
+with uvicorn. Binds to 127.0.0.1 unless told otherwise; FastAPI and uvicorn are imported
+only when the command runs, so `pagedllm --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from pagedllm.entrypoints.cli import add_engine_args, engine_options, positive_int
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model file's name)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=_non_negative,
+        default=None,
+        help="refuse new requests with 503 while this many are waiting",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=1 << 20,
+        help="largest request body accepted (413 beyond; default 1 MiB)",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.server.app import create_app
+
+    logging.getLogger("pagedllm").setLevel(args.log_level.upper())
+    engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
+    app = create_app(
+        engine,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
+    )
+    logging.getLogger("pagedllm").info(
+        "serving '%s' at http://%s:%d/v1 (API key %s)",
+        app.state.model_name,
+        args.host,
+        args.port,
+        "required" if args.api_key else "not required",
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

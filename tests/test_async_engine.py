@@ -1,0 +1,224 @@
+"""AsyncLLMEngine: outputs equal the synchronous engine's, the idle loop sleeps, failures
+stay contained (one bad request, one failed step), and leaving a stream early aborts the
+request and frees its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pagedllm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineOverloadedError,
+    RequestFailedError,
+)
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import SamplingParams
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120] * 2]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+
+@pytest.fixture
+def make_engine(tiny_llama_dir: Path) -> Iterator[Callable[..., AsyncLLMEngine]]:
+    made: list[AsyncLLMEngine] = []
+
+    def make(max_waiting: int | None = None, **options: object) -> AsyncLLMEngine:
+        config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, **options)
+        engine = AsyncLLMEngine(LLMEngine(config), max_waiting=max_waiting)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.shutdown()
+
+
+async def run_to_end(
+    engine: AsyncLLMEngine, rid: str, prompt: list[int], params: SamplingParams = GREEDY
+) -> list[int]:
+    final = None
+    async for out in await engine.add_request(rid, prompt, params):
+        final = out
+    assert final is not None and final.finished
+    return final.outputs[0].token_ids
+
+
+async def used_blocks(engine: AsyncLLMEngine) -> int:
+    # call() runs after every command submitted before it (aborts included).
+    return await engine.call(lambda: engine.engine.kv.usage().used_blocks)
+
+
+def test_outputs_equal_the_offline_engine(make_engine, tiny_llama_dir: Path) -> None:
+    engine = make_engine()
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(
+            *(run_to_end(engine, f"r{i}", p) for i, p in enumerate(PROMPTS))
+        )
+
+    got = asyncio.run(main())
+    offline = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in offline]
+    assert engine.snapshot.usage.used_blocks == 0
+
+
+def test_idle_loop_does_not_spin(make_engine) -> None:
+    engine = make_engine()
+    engine.start()
+    time.sleep(0.2)
+    assert engine.num_iterations == 0  # started, nothing to do: asleep
+
+    async def main() -> None:
+        await run_to_end(engine, "a", PROMPTS[0])
+        await used_blocks(engine)
+
+    asyncio.run(main())
+    iterations, steps = engine.num_iterations, engine.num_steps
+    assert steps >= GREEDY.max_tokens
+    time.sleep(0.3)
+    assert (engine.num_iterations, engine.num_steps) == (iterations, steps)
+    assert engine.is_running and engine.healthy
+
+
+def test_exception_in_one_request_fails_only_that_request(make_engine, monkeypatch) -> None:
+    engine = make_engine()
+    real_add = engine.engine.add_request
+
+    def add_request(request_id: str, *args: object, **kwargs: object) -> None:
+        if request_id == "bad":
+            raise RuntimeError("tokenizer exploded")
+        real_add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine.engine, "add_request", add_request)
+
+    async def main() -> tuple[list[object], int]:
+        results = await asyncio.gather(
+            run_to_end(engine, "good0", PROMPTS[0]),
+            run_to_end(engine, "bad", PROMPTS[1]),
+            run_to_end(engine, "good1", PROMPTS[2]),
+            return_exceptions=True,
+        )
+        return results, await used_blocks(engine)
+
+    results, used = asyncio.run(main())
+    assert isinstance(results[1], RuntimeError) and "exploded" in str(results[1])
+    assert [len(r) for r in (results[0], results[2])] == [12, 12]
+    assert used == 0 and engine.healthy
+
+
+def test_failed_step_fails_its_requests_and_the_loop_serves_on(make_engine, monkeypatch) -> None:
+    engine = make_engine(max_num_seqs=1)  # one request runs, the next one waits
+    real_step = engine.engine.step
+    failed = []
+
+    def step() -> list:
+        scheduler = engine.engine.scheduler
+        victim = scheduler.requests.get("victim")
+        if not failed and victim in scheduler.running and victim.seqs[0].num_output_tokens >= 3:
+            failed.append(True)
+            raise RuntimeError("CUDA error: device-side assert")
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", step)
+
+    async def main() -> tuple[list[object], list[int], int]:
+        results = await asyncio.gather(
+            run_to_end(engine, "victim", PROMPTS[0]),
+            run_to_end(engine, "bystander", PROMPTS[1]),
+            return_exceptions=True,
+        )
+        after = await run_to_end(engine, "later", PROMPTS[1])
+        return results, after, await used_blocks(engine)
+
+    (victim, bystander), after, used = asyncio.run(main())
+    assert isinstance(victim, RequestFailedError) and "device-side assert" in str(victim)
+    assert bystander == after and len(after) == 12
+    assert used == 0 and not engine.engine.has_unfinished_requests()
+
+
+def test_cancelling_the_consumer_aborts_and_frees_blocks(make_engine) -> None:
+    engine = make_engine()
+
+    async def main() -> tuple[int, int, bool]:
+        got = []
+
+        async def consume() -> None:
+            async for out in await engine.add_request("long", PROMPTS[2], LONG):
+                got.append(out)
+
+        task = asyncio.create_task(consume())
+        while len(got) < 3:
+            await asyncio.sleep(0.001)
+        held = await used_blocks(engine)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return held, await used_blocks(engine), engine.engine.has_unfinished_requests()
+
+    held, used, unfinished = asyncio.run(main())
+    assert held > 0
+    assert used == 0 and not unfinished
+
+
+def test_leaving_a_stream_early_aborts_it(make_engine) -> None:
+    engine = make_engine()
+
+    async def main() -> int:
+        async with await engine.add_request("r", PROMPTS[2], LONG) as stream:
+            async for out in stream:
+                if len(out.outputs[0].token_ids) == 2:
+                    break
+        return await used_blocks(engine)
+
+    assert asyncio.run(main()) == 0
+    assert not engine.engine.has_unfinished_requests()
+
+
+def test_max_waiting_refuses_requests_beyond_the_queue(make_engine) -> None:
+    engine = make_engine(max_waiting=1)
+    engine.pause()  # nothing is scheduled: requests stay waiting
+
+    async def main() -> list[int]:
+        first = await engine.add_request("first", PROMPTS[0], GREEDY)
+        with pytest.raises(EngineOverloadedError, match="max_waiting=1"):
+            await engine.add_request("second", PROMPTS[1], GREEDY)
+        engine.resume()
+        final = [out async for out in first][-1]
+        return final.outputs[0].token_ids
+
+    assert len(asyncio.run(main())) == 12
+
+
+def test_bad_request_raises_value_error(make_engine) -> None:
+    engine = make_engine()
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request("big", [1] * 600, GREEDY)
+        assert len(await run_to_end(engine, "ok", PROMPTS[0])) == 12
+
+    asyncio.run(main())
+
+
+def test_shutdown_fails_unfinished_requests(make_engine) -> None:
+    engine = make_engine()
+    engine.pause()
+
+    async def main() -> None:
+        stream = await engine.add_request("r", PROMPTS[0], GREEDY)
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        with pytest.raises(RequestFailedError, match="shut down"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+    assert engine.engine.kv.usage().used_blocks == 0
+    assert not engine.engine.has_unfinished_requests()

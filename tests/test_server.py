@@ -1,0 +1,353 @@
+"""The OpenAI-compatible server, run for real (uvicorn on a free loopback port) over a tiny
+random Llama that carries SmolLM2's tokenizer: the official `openai` client gets the same
+text as the offline `LLM`, every error has its status and OpenAI error body, 32 concurrent
+streams are all correct, and nothing leaks (a client that hangs up frees its blocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from conftest import make_tiny_model
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.entrypoints.server.app import create_app
+from pagedllm.loader import ModelLoadError, default_model_path
+from pagedllm.sampling_params import SamplingParams
+
+OPTIONS = dict(num_kv_blocks=256, block_size=16)
+NAME = "tiny"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template."""
+    try:
+        gguf = default_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+    from pagedllm.loader.tokenizer import load_gguf_tokenizer
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "llama", vocab_size=49152)
+    load_gguf_tokenizer(gguf, None).save_pretrained(path)
+    return path
+
+
+class LiveServer:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.engine = app.state.engine
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server failed to start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics").text
+        return {m[1]: float(m[2]) for m in re.finditer(r"^(pagedllm:\S+) (\S+)$", text, re.M)}
+
+    def wait_metrics(self, **expected: float) -> dict[str, float]:
+        """Poll /metrics until the named values hold (the engine updates them per step)."""
+        deadline = time.monotonic() + 60  # a hang guard, not a timing assertion
+        while time.monotonic() < deadline:
+            values = self.metrics()
+            if all(values.get(f"pagedllm:{k}") == v for k, v in expected.items()):
+                return values
+            time.sleep(0.01)
+        raise AssertionError(f"metrics never reached {expected}: {self.metrics()}")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir: Path) -> Iterator[LiveServer]:
+    engine = LLMEngine(EngineConfig(model=str(chat_model_dir), **OPTIONS))
+    live = LiveServer(create_app(engine, served_model_name=NAME))
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def offline(chat_model_dir: Path) -> LLM:
+    return LLM(str(chat_model_dir), **OPTIONS)
+
+
+def greedy(max_tokens: int = 16, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def offline_text(offline: LLM, prompt: Any, params: SamplingParams) -> list[str]:
+    return [c.text for c in offline.generate(prompt, params, use_tqdm=False)[0].outputs]
+
+
+# ------------------------------------------------------------------ the happy path
+def test_completion_and_chat_equal_offline(server: LiveServer, offline: LLM) -> None:
+    client = server.client()
+    out = client.completions.create(
+        model=NAME, prompt="The capital of France is", max_tokens=16, temperature=0
+    )
+    assert [out.choices[0].text] == offline_text(offline, "The capital of France is", greedy())
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 16
+    ids = [1, 504, 3458, 282, 4649]
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0)
+    assert [out.choices[0].text] == offline_text(offline, ids, greedy(8))
+    assert out.usage.prompt_tokens == 5
+    chat = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=12, temperature=0)
+    want = offline.chat(CHAT, greedy(12), use_tqdm=False)[0]
+    assert chat.choices[0].message.content == want.outputs[0].text
+    assert chat.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_streaming_n_and_stop(server: LiveServer, offline: LLM) -> None:
+    client = server.client()
+    prompt = "Once upon a time"
+    full = offline_text(offline, prompt, greedy(24))[0]
+    stop = full[len(full) // 2 :][:4]  # a stop string that the greedy text contains
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == offline_text(offline, prompt, greedy(24, stop=stop))[0]
+    assert full.startswith(text) and stop not in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 0
+
+    seeded = dict(temperature=0.9, seed=1234, max_tokens=10, n=2)
+    want = offline.chat(CHAT, SamplingParams(**seeded), use_tqdm=False)[0]
+    got = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model=NAME, messages=CHAT, stream=True, **seeded):
+        for choice in chunk.choices:
+            got[choice.index] += choice.delta.content or ""
+    assert [got[0], got[1]] == [c.text for c in want.outputs]
+    plain = client.chat.completions.create(model=NAME, messages=CHAT, **seeded)
+    assert [c.message.content for c in plain.choices] == [got[0], got[1]]
+
+
+def test_logprobs(server: LiveServer) -> None:
+    client = server.client()
+    out = client.completions.create(
+        model=NAME, prompt="Hello", max_tokens=4, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert all(
+        len(top) == 3 and max(top.values()) == t
+        for top, t in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )  # greedy: the best one
+    chat = client.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_32_concurrent_streams_are_correct_and_leak_nothing(
+    server: LiveServer, offline: LLM
+) -> None:
+    prompts = [f"Request {i}: tell me about topic number {i * 7}" for i in range(32)]
+    want = [o.outputs[0].text for o in offline.generate(prompts, greedy(20), use_tqdm=False)]
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+    async def one(prompt: str) -> str:
+        stream = await client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(main()) == want
+    values = server.wait_metrics(kv_blocks_used=0, num_requests_running=0, num_requests_waiting=0)
+    assert values["pagedllm:kv_blocks_total"] == OPTIONS["num_kv_blocks"]
+    assert values["pagedllm:generation_tokens_total"] >= 32 * 20
+    assert values["pagedllm:time_to_first_token_seconds_count"] >= 32
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server: LiveServer) -> None:
+    aborted = server.metrics().get('pagedllm:request_finished_total{finished_reason="abort"}', 0)
+    body = {
+        "model": NAME,
+        "prompt": "Tell me a long story",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            next(lines), next(lines)
+            server.engine.pause()  # the request now cannot finish on its own
+            assert server.metrics()["pagedllm:kv_blocks_used"] > 0
+        server.wait_metrics(kv_blocks_used=0, num_requests_running=0)
+        # A non-streaming request whose client gives up is aborted as well.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                server.url + "/v1/completions",
+                json={**body, "stream": False},
+                timeout=httpx.Timeout(30, read=0.5),
+            )
+        server.wait_metrics(kv_blocks_used=0, num_requests_waiting=0)
+    finally:
+        server.engine.resume()
+    values = server.metrics()
+    assert values['pagedllm:request_finished_total{finished_reason="abort"}'] == aborted + 2
+
+
+# ------------------------------------------------------------------------ errors
+def check_error(
+    r: httpx.Response, status: int, *, param: str | None = None, words: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Traceback" not in r.text and error["param"] == param
+    assert all(w in error["message"] for w in words), error["message"]
+    return error
+
+
+def test_bad_requests_get_openai_errors(server: LiveServer) -> None:
+    url = server.url + "/v1/completions"
+
+    def post(body: Any, path: str = url) -> httpx.Response:
+        if isinstance(body, (str, bytes)):
+            return httpx.post(path, content=body, headers={"content-type": "application/json"})
+        return httpx.post(path, json=body)
+
+    check_error(post('{"prompt": "x",'), 400, words=("JSON",))
+    check_error(
+        post({"prompt": "x", "max_tokens": "ten"}), 400, param="max_tokens", words=("max_tokens",)
+    )
+    check_error(
+        post({"prompt": "x", "stream_options": {"include_usage": "yes"}}),
+        400,
+        param="stream_options",
+        words=("stream_options.include_usage",),
+    )
+    check_error(
+        post({"messages": "hi"}, server.url + "/v1/chat/completions"), 400, param="messages"
+    )
+    check_error(post({"max_tokens": 3}), 400, param="prompt", words=("prompt",))
+    check_error(
+        post({"prompt": "x", "temperature": -1}),
+        400,
+        param="temperature",
+        words=("temperature must be in [0, inf)",),
+    )
+    check_error(post({"prompt": "x", "top_p": 1.5}), 400, param="top_p")
+    error = check_error(
+        post({"prompt": [5] * 500, "max_tokens": 100}),
+        400,
+        param="prompt",
+        words=("500", "100", "512"),
+    )
+    assert error["code"] == "context_length_exceeded"
+    check_error(post({"model": "gpt-4", "prompt": "x"}), 404, param="model", words=("gpt-4",))
+    check_error(post({"prompt": "x" * (1 << 20)}), 413, words=("1048576",))
+    chunked = httpx.post(url, content=(b"x" * 65536 for _ in range(32)))  # no Content-Length
+    check_error(chunked, 413)
+    check_error(httpx.get(server.url + "/v1/nothing"), 404)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        server.client().completions.create(model=NAME, prompt="x", temperature=-1)
+
+
+def test_overload_gets_503_with_retry_after(server: LiveServer) -> None:
+    engine = server.engine
+    engine.max_waiting = 1
+    engine.pause()
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    try:
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", json={**body, "stream": True}
+        ) as first:
+            assert first.status_code == 200  # accepted: it is the one waiting request
+            r = httpx.post(server.url + "/v1/completions", json=body)
+            check_error(r, 503, words=("max_waiting=1",))
+            assert r.headers["retry-after"] == "1"
+            engine.resume()
+            assert [line for line in first.iter_lines() if line][-1] == "data: [DONE]"
+    finally:
+        engine.max_waiting = None
+        engine.resume()
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+
+
+def test_api_key(chat_model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(chat_model_dir), **OPTIONS))
+    live = LiveServer(create_app(engine, served_model_name=NAME, api_key="s3cret"))
+    try:
+        url = live.url + "/v1/completions"
+        body = {"prompt": "Hi", "max_tokens": 2}
+        check_error(httpx.post(url, json=body), 401)
+        check_error(httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}), 401)
+        check_error(httpx.get(live.url + "/v1/models"), 401)
+        with pytest.raises(openai.AuthenticationError):
+            live.client("wrong").completions.create(model=NAME, prompt="Hi", max_tokens=2)
+        out = live.client("s3cret").completions.create(model=NAME, prompt="Hi", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        assert httpx.get(live.url + "/health").status_code == 200  # no key needed
+    finally:
+        live.close()
+
+
+def test_bench_serve_against_the_server(server: LiveServer, tmp_path: Path, capsys) -> None:
+    from pagedllm.bench.serve import main
+
+    out = tmp_path / "bench.json"
+    argv = [
+        "--url",
+        server.url,
+        "--num-prompts",
+        "6",
+        "--request-rate",
+        "inf",
+        "--input-len",
+        "12",
+        "--output-len",
+        "5",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^Successful requests: +6 *$", table, re.M) and "P99 ITL (ms):" in table
+    results = json.loads(out.read_text())["results"]
+    assert results["completed"] == 6 and results["failed"] == 0
+    assert results["total_input_tokens"] == 6 * 12 and results["total_output_tokens"] == 6 * 5
+    assert main([*argv[:4], "--max-concurrency", "2", *argv[6:]]) == 0
