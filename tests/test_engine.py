@@ -155,3 +155,33 @@ def test_stop_token_ids_and_max_tokens(tiny_llama_dir, prompts, oracle) -> None:
         0
     ].outputs[0]
     assert out.token_ids == oracle[0][:3] and out.finish_reason == "length"
+
+
+def test_requests_that_could_stall_are_rejected_up_front(tiny_llama_dir) -> None:
+    llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=2)
+    with pytest.raises(ValueError, match="stop_token_ids must be in"):
+        generate(llm, [[1, 2]], SamplingParams(stop_token_ids=[100000]))
+    with pytest.raises(ValueError, match="max_num_batched_tokens is 2"):
+        generate(llm, [[1, 2]], SamplingParams(n=4, temperature=1.0))
+    baseline = LLM(str(tiny_llama_dir), kv_reservation="reserve-max", num_kv_blocks=40)
+    with pytest.raises(ValueError, match="kv_reservation='reserve-max' is a one-sequence"):
+        generate(baseline, [[1, 2]], SamplingParams(n=2, temperature=1.0))
+    assert_pool_whole(llm)
+
+
+def test_pool_sized_context_still_admits_whole_requests(tiny_llama_dir) -> None:
+    # max_model_len comes from the pool; the admission watermark must not make a request
+    # of that length unadmittable (reserve-max reserves all of it at once).
+    for policy in ("paged", "reserve-max", "reserve-pow2"):
+        llm = LLM(
+            str(tiny_llama_dir),
+            block_size=4,
+            num_kv_blocks=30,
+            watermark=0.05,
+            kv_reservation=policy,
+        )
+        out = generate(llm, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5))
+        assert len(out[0].outputs[0].token_ids) <= 5
+        unbounded = generate(llm, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=None))
+        assert unbounded[0].outputs[0].finish_reason in ("stop", "length")
+        assert_pool_whole(llm)

@@ -38,7 +38,14 @@ def check_invariants(sched: Scheduler) -> None:
     assert set(kv.tables) == live
     for req in sched.running:
         for seq in req.seqs:
-            assert kv.tables[seq.seq_id].num_tokens >= req.num_computed_tokens
+            table = kv.tables[seq.seq_id]
+            assert table.num_tokens >= req.num_computed_tokens
+            # A block that carries a prefix-cache hash holds exactly this sequence's tokens.
+            for i, block in enumerate(table.blocks):
+                info = alloc.cached_info(block)
+                if info is not None:
+                    bs = kv.block_size
+                    assert info.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
     running_seqs = sum(r.max_num_seqs for r in sched.running)
     assert running_seqs <= sched.config.max_num_seqs
 
@@ -166,3 +173,38 @@ def test_requests_run_to_completion_without_aborts() -> None:
     assert not sched.has_unfinished_requests()
     assert sched.num_preemptions > 0
     assert kv.allocator.num_free_blocks == 10
+
+
+def test_group_readmission_never_gives_a_hit_away() -> None:
+    """A preempted two-sample request comes back under memory pressure: admitting its
+    first sample must not evict the cached block its second sample is about to reuse."""
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    sched = Scheduler(
+        SchedulerConfig(max_model_len=24, max_num_seqs=4, max_num_batched_tokens=64), kv
+    )
+    s0 = Sequence(sched.new_seq_id(), [1, 2, 3, 4], 4)
+    req = Request("r", [s0], max_num_seqs=2)
+    sched.add_request(req)
+    sched.update_from_output(sched.schedule())
+    s1 = Sequence(sched.new_seq_id(), [1, 2, 3, 4], 4, index=1)
+    sched.fork(req, s0, s1)
+    s0.token_ids.append(10)
+    s1.token_ids.append(20)
+    for t0, t1 in [(11, 21), (12, 22), (13, 23), (14, 24)]:
+        sched.update_from_output(sched.schedule())
+        s0.token_ids.append(t0)
+        s1.token_ids.append(t1)
+    assert kv.allocate_slots(999, 4)
+    kv.cache_computed_blocks(999, [7, 7, 7, 7], 4)
+    sched._preempt(req)
+    assert kv.allocate_slots(998, 8)  # another request takes the two uncached blocks
+    kv.free(999)
+    sched.schedule()
+    for seq in (s0, s1):
+        if seq.seq_id not in kv.tables:
+            continue  # waiting for room: fine
+        for i, block in enumerate(kv.table(seq.seq_id).blocks):
+            info = kv.allocator.cached_info(block)
+            if info is not None:
+                assert info.token_ids == tuple(seq.token_ids[i * 4 : (i + 1) * 4])
+        assert all(kv.allocator.ref_count(b) == 1 for b in kv.table(seq.seq_id).blocks[1:])

@@ -80,7 +80,9 @@ class Scheduler:
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
 
-    def check_fits(self, num_tokens: int, max_new_tokens: int, num_seqs: int = 1) -> None:
+    def check_fits(
+        self, num_tokens: int, max_new_tokens: int, num_seqs: int = 1, reserve_tokens: int = 0
+    ) -> None:
         """Raise ValueError if such a request could never run, even alone."""
         total = num_tokens + max_new_tokens
         if total > self.config.max_model_len:
@@ -93,8 +95,13 @@ class Scheduler:
                 f"the request needs {num_seqs} sequences; max_num_seqs is "
                 f"{self.config.max_num_seqs}"
             )
+        if num_seqs > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"the request needs {num_seqs} sequences; max_num_batched_tokens is "
+                f"{self.config.max_num_batched_tokens}, too few to decode them together"
+            )
         # Recomputation after preemption loses sharing: bound without it.
-        needed = num_seqs * self.kv.blocks_for_tokens(total)
+        needed = num_seqs * self.kv.blocks_for_tokens(max(total, reserve_tokens))
         usable = self.kv.num_blocks - self.kv.watermark_blocks
         if needed > usable:
             raise ValueError(
@@ -129,11 +136,13 @@ class Scheduler:
         self.kv.fork(parent.seq_id, child.seq_id)
         req.seqs.append(child)
 
-    def finish_seq(self, req: Request, seq: Sequence) -> None:
-        """A sequence is done: free its blocks; the request ends with its last one."""
+    def finish_seq(self, req: Request, seq: Sequence, keep: bool = True) -> None:
+        """A sequence is done: free its blocks; the request ends with its last one.
+        `keep=False` forgets it (a pruned beam) instead of keeping it for the output."""
         self.kv.free(seq.seq_id)
         req.seqs.remove(seq)
-        req.finished_seqs.append(seq)
+        if keep:
+            req.finished_seqs.append(seq)
         if not req.seqs:
             self.running.remove(req)
             self._running_seq_slots -= req.max_num_seqs
@@ -237,24 +246,20 @@ class Scheduler:
         """Allocate a waiting request's first chunk; the chunk size, or 0 if it must wait."""
         k = len(req.seqs)
         hits = [self.kv.find_cached_prefix(s.token_ids) for s in req.seqs]
-        num_cached_blocks = min(len(blocks) for blocks, _ in hits)
-        num_cached = num_cached_blocks * self.kv.block_size
+        n = min(len(blocks) for blocks, _ in hits)
+        num_cached = n * self.kv.block_size
         chunk = min(req.num_tokens - num_cached, budget // k)
         if chunk <= 0:
             return 0
-        for i, seq in enumerate(req.seqs):
-            blocks, hashes = hits[i]
-            ok = self.kv.allocate_slots(
-                seq.seq_id,
-                num_cached + chunk,
-                cached_blocks=(blocks[:num_cached_blocks], hashes[:num_cached_blocks]),
-                reserve_tokens=req.reserve_tokens,
-                keep_watermark=True,
-            )
-            if not ok:
-                for done in req.seqs[:i]:
-                    self.kv.free(done.seq_id)
-                return 0
+        ok = self.kv.admit(
+            [s.seq_id for s in req.seqs],
+            [(blocks[:n], hashes[:n]) for blocks, hashes in hits],
+            num_cached + chunk,
+            reserve_tokens=req.reserve_tokens,
+            keep_watermark=True,
+        )
+        if not ok:
+            return 0
         req.num_computed_tokens = num_cached
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_cached

@@ -70,5 +70,9 @@ class Request:
         return self.seqs[0].num_tokens
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return (self.seqs or self.finished_seqs)[0].num_prompt_tokens
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompt_seq.token_ids[: self.prompt_seq.num_prompt_tokens]
+
+    def __post_init__(self) -> None:
+        # The first sequence: it holds the prompt, whatever becomes of the samples.
+        self.prompt_seq = self.seqs[0]

@@ -235,7 +235,7 @@ class AsyncLLMEngine:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the requests in that step")
-            in_step = [r.request_id for r in self.engine.scheduler.running]
+            in_step = list(self.engine.last_scheduled_request_ids)
             error = RequestFailedError(f"the engine failed: {type(exc).__name__}: {exc}")
             for request_id in in_step:
                 self._fail(request_id, error)

@@ -1,9 +1,10 @@
 """Beam search inside the engine, scored exactly as transformers' `generate(num_beams=k,
 do_sample=False, early_stopping=False)` does.
 
-Each step every live beam proposes its 2k best next tokens; of all candidates, the k best
-that do not end the beam live on (a beam with several surviving children forks, one with
-none is freed, so surviving beams share their common history's blocks), and candidates
+Each step every live beam proposes its max(2, 1 + #EOS) * k best next tokens; of all
+candidates, the k best that do not end the beam live on (a beam with several surviving
+children forks, one with none is freed, so surviving beams share their common history's
+blocks), and candidates
 among the k best that end (EOS, or the length limit) join the finished hypotheses, scored
 by sum of log-probabilities / generated_length ** length_penalty. Like transformers' default
 ("heuristic" early stopping), the search ends when all k finished slots are filled and the
@@ -53,8 +54,8 @@ def advance_beams(
     fork: ForkFn,
     finish: FinishFn,
 ) -> bool:
-    """One beam-search step for `beams` (live, same length) given each beam's top-2k
-    next tokens and log-probs. Returns True when the search is over."""
+    """One beam-search step for `beams` (live, same length) given each beam's best next
+    tokens and log-probs (as many as candidates are kept). True when the search is over."""
     k = state.params.beam_width
     prompt_len = beams[0].num_prompt_tokens
     gen_len = beams[0].num_tokens - prompt_len + 1  # generated tokens after this step
@@ -65,7 +66,7 @@ def advance_beams(
         for tok, lp in zip(ids, lps, strict=True)
     ]
     candidates.sort(key=lambda c: c[0], reverse=True)
-    candidates = candidates[: 2 * k]
+    candidates = candidates[: len(top[0][0])]  # as many as each beam proposed
 
     def ends(c: Candidate) -> bool:
         return at_limit or (not state.params.ignore_eos and c[2] in state.eos_token_ids)

@@ -50,7 +50,12 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(
             1, parse_size(config.kv_cache_memory) // block_bytes
         )
-        max_len = min(loaded.config.max_position_embeddings, num_blocks * config.block_size)
+        watermark_blocks = min(int(config.watermark * num_blocks), num_blocks - 1)
+        # A request may grow to every block but the watermark.
+        max_len = min(
+            loaded.config.max_position_embeddings,
+            (num_blocks - watermark_blocks) * config.block_size,
+        )
         if config.max_model_len is not None:
             if config.max_model_len > loaded.config.max_position_embeddings:
                 raise ValueError(
@@ -63,7 +68,7 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            watermark_blocks=min(int(config.watermark * num_blocks), num_blocks - 1),
+            watermark_blocks=watermark_blocks,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -82,6 +87,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self.stats = EngineStats()
+        self.last_scheduled_request_ids: tuple[str, ...] = ()  # what a failed step was doing
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         logger.info(
             "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d",
@@ -119,9 +125,21 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab - 1}]")
-        max_new = params.max_tokens or max(self.max_model_len - len(prompt_ids), 1)
+        if beam is None and any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab - 1}]")
+        if beam is not None and self._beam_candidates(params) > vocab:
+            raise ValueError(f"beam_width must be at most {vocab // 2} for this vocabulary")
         num_seqs = params.beam_width if beam else params.num_seqs
-        self.scheduler.check_fits(len(prompt_ids), max_new, num_seqs)
+        if num_seqs > 1 and self.config.kv_reservation != "paged":
+            raise ValueError(
+                f"kv_reservation={self.config.kv_reservation!r} is a one-sequence baseline: "
+                "use n=1 (no best_of or beam search) or kv_reservation='paged'"
+            )
+        max_new = params.max_tokens or max(self.max_model_len - len(prompt_ids), 1)
+        reserve = reserve_tokens(
+            self.config.kv_reservation, len(prompt_ids), max_new, self.max_model_len
+        )
+        self.scheduler.check_fits(len(prompt_ids), max_new, num_seqs, reserve)
         seed = None if beam else params.seed
         seq = self._new_seq(prompt_ids, generator=self._generator(seed, 0))
         request = Request(
@@ -129,9 +147,7 @@ class LLMEngine:
             seqs=[seq],
             max_num_seqs=num_seqs,
             beam=beam,
-            reserve_tokens=reserve_tokens(
-                self.config.kv_reservation, len(prompt_ids), max_new, self.max_model_len
-            ),
+            reserve_tokens=reserve,
             params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             prompt=prompt if isinstance(prompt, str) else None,
@@ -158,7 +174,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        self.last_scheduled_request_ids = ()
         step = self.scheduler.schedule()
+        self.last_scheduled_request_ids = tuple(step.num_scheduled_tokens)
         if step.is_empty:
             return []
         logits = self.runner.execute(step)
@@ -177,7 +195,7 @@ class LLMEngine:
             seq = next(q for q in req.seqs if q.seq_id == s.seq_id)
             if req.beam is not None:
                 beam_rows.setdefault(req.request_id, []).append((seq, len(rows)))
-                rows.append(SampleRow(row, _GREEDY, num_logprobs=2 * req.params.beam_width))
+                rows.append(SampleRow(row, _GREEDY, num_logprobs=self._beam_candidates(req.params)))
             else:
                 for target in self._samples_for(req, seq):
                     rows.append(self._sample_row(row, req.params, target))
@@ -214,6 +232,11 @@ class LLMEngine:
         return outputs
 
     # ---------------------------------------------------------------- helpers
+    def _beam_candidates(self, params: BeamSearchParams) -> int:
+        """Candidates kept per step, as transformers: enough that k survive any EOS."""
+        num_eos = 0 if params.ignore_eos else len(self.eos_token_ids)
+        return max(2, 1 + num_eos) * params.beam_width
+
     def _advance_beams(
         self,
         req: Request,
@@ -233,10 +256,14 @@ class LLMEngine:
 
         beams = [seq for seq, _ in entries]
         top = [(top_ids[i], top_logprobs[i]) for _, i in entries]
-        done = advance_beams(req, req.beam, beams, top, fork, self.scheduler.finish_seq)
+
+        def drop(r: Request, beam: Sequence) -> None:
+            self.scheduler.finish_seq(r, beam, keep=False)
+
+        done = advance_beams(req, req.beam, beams, top, fork, drop)
         if done:
             for seq in list(req.seqs):
-                self.scheduler.finish_seq(req, seq)
+                drop(req, seq)
 
     def _new_seq(
         self,

@@ -25,8 +25,9 @@ class OutputProcessor:
     def check_stop(self, params: SamplingParams, seq: Sequence) -> None:
         """Detokenise the newest token and set `seq.finish_reason` if the sequence ends."""
         token = seq.token_ids[-1]
+        delta = ""
         if self.tokenizer is not None:
-            detokenize_incrementally(self.tokenizer, seq, params.skip_special_tokens)
+            delta = detokenize_incrementally(self.tokenizer, seq, params.skip_special_tokens)
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
@@ -34,7 +35,7 @@ class OutputProcessor:
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 return
-            if params.stop and _cut_at_stop_string(seq, params):
+            if params.stop and delta and _cut_at_stop_string(seq, params, len(delta)):
                 return
         if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
             seq.num_tokens >= self.max_model_len
@@ -47,11 +48,10 @@ class OutputProcessor:
             if req.beam is not None
             else self._sampled_completions(req, finished)
         )
-        first = (req.finished_seqs + req.seqs)[0]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
-            prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
+            prompt_token_ids=req.prompt_token_ids,
             outputs=completions,
             finished=finished,
             num_cached_tokens=req.num_cached_tokens,
@@ -103,9 +103,12 @@ class OutputProcessor:
         return completions
 
 
-def _cut_at_stop_string(seq: Sequence, params: SamplingParams) -> bool:
+def _cut_at_stop_string(seq: Sequence, params: SamplingParams, new_chars: int) -> bool:
+    """Look for a stop string ending in the newest text only: one that appeared before
+    min_tokens was reached does not count, and the search does not grow with the output."""
+    text = seq.output_text
     for stop in params.stop:
-        at = seq.output_text.find(stop)
+        at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
         if at >= 0:
             end = at + len(stop) if params.include_stop_str_in_output else at
             seq.output_text = seq.output_text[:end]

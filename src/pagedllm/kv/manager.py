@@ -117,46 +117,58 @@ class KVCacheManager:
             table.block_hashes.append(self.allocator.register(table.blocks[i], parent, tokens))
 
     # ------------------------------------------------------------------- growth
-    def allocate_slots(
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
+        """Make the sequence's table hold `num_tokens` tokens in all (a new sequence starts
+        an empty table). All or nothing: False and no change when the pool cannot serve it.
+        """
+        table = self.tables.get(seq_id)
+        if table is None:
+            return self.admit([seq_id], [([], [])], num_tokens)
+        copies = table.append_slots(num_tokens)
+        if copies is None:
+            return False
+        self._pending_copies.extend(copies)
+        return True
+
+    def admit(
         self,
-        seq_id: int,
+        seq_ids: Sequence[int],
+        cached: Sequence[tuple[list[int], list[bytes]]],
         num_tokens: int,
-        cached_blocks: tuple[list[int], list[bytes]] | None = None,
         reserve_tokens: int = 0,
         keep_watermark: bool = False,
     ) -> bool:
-        """Make the sequence's table hold `num_tokens` tokens in all.
+        """Start the tables of a group of new sequences (one request's samples or beams,
+        readmitted after preemption) holding `num_tokens` tokens each; all or nothing.
 
-        A new sequence may start from prefix-cache hits (`cached_blocks`) and reserve
-        blocks for `reserve_tokens` up front. All or nothing: False and no change when
-        the pool cannot serve it (or would dip under the watermark, for admissions).
+        Each may start from its prefix-cache hits (`cached`: blocks and their hashes) and
+        reserve blocks for `reserve_tokens` up front. Admissions keep the watermark free.
         """
-        table = self.tables.get(seq_id)
-        is_new = table is None
-        if table is None:
-            table = BlockTable(self.block_size, self.allocator)
-        hits, hashes = cached_blocks or ([], [])
-        if is_new:
-            target = max(num_tokens, reserve_tokens)
-            new_blocks = max(0, self.blocks_for_tokens(target) - len(hits))
-        else:
-            new_blocks = table.blocks_needed(num_tokens)
+        target = max(num_tokens, reserve_tokens)
         # Cache hits that sit in the free queue stop being free when taken.
-        hits_from_free = sum(1 for b in hits if self.allocator.ref_count(b) == 0)
+        from_free = {b for hits, _ in cached for b in hits if self.allocator.ref_count(b) == 0}
+        new_blocks = sum(max(0, self.blocks_for_tokens(target) - len(hits)) for hits, _ in cached)
         margin = self.watermark_blocks if keep_watermark else 0
-        if new_blocks + hits_from_free + margin > self.num_free_blocks:
+        if new_blocks + len(from_free) + margin > self.num_free_blocks:
             return False
-        if is_new:
-            self.tables[seq_id] = table
-            for block in hits:
+        # Take every hit before allocating any new block: an allocation must not evict a
+        # block another sequence of the group is about to reuse.
+        for seq_id, (hits, hashes) in zip(seq_ids, cached, strict=True):
+            if seq_id in self.tables:
+                raise ValueError(f"sequence {seq_id} already has a block table")
+            table = BlockTable(self.block_size, self.allocator)
+            for block, block_hash in zip(hits, hashes, strict=True):
+                info = self.allocator.cached_info(block)
+                assert info is not None and info.block_hash == block_hash, "stale cache hit"
                 self.allocator.incref(block)
             if hits:
                 table.add_cached_blocks(hits, hashes)
+            self.tables[seq_id] = table
+        for seq_id in seq_ids:
+            table = self.tables[seq_id]
             if reserve_tokens:
                 table.reserve(reserve_tokens)
-        copies = table.append_slots(num_tokens)
-        assert copies is not None, "checked above"
-        self._pending_copies.extend(copies)
+            assert table.append_slots(num_tokens) == [], "a new table never copies"
         return True
 
     def fork(self, parent_id: int, child_id: int) -> None:

@@ -51,13 +51,11 @@ def _pad_ids(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor,
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     device = logits.device
-    vocab = logits.shape[1]
     out_ids, out_mask = _pad_ids([list(r.output_ids) for r in rows], device)
     counts = torch.zeros_like(logits).scatter_add_(1, out_ids, out_mask.float())
     prompt_ids, prompt_mask = _pad_ids([list(r.prompt_ids) for r in rows], device)
-    seen = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)
-    seen.scatter_(1, prompt_ids, prompt_mask)
-    seen |= counts > 0
+    in_prompt = torch.zeros_like(logits).scatter_add_(1, prompt_ids, prompt_mask.float())
+    seen = (in_prompt > 0) | (counts > 0)
 
     def col(name: str) -> torch.Tensor:
         return torch.tensor([getattr(r.params, name) for r in rows], device=device)[:, None]
@@ -73,7 +71,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=logits.device)
     drop = ranks[None, :] >= top_k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
+    # top-p applies to the distribution top-k left (renormalised), as in transformers.
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Drop a token once the more likely ones already reach top_p (the first always stays).
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -97,10 +96,11 @@ class Sampler:
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits, rows)
 
-        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._sample(logits, rows))
+        greedy = [r.params.greedy for r in rows]
+        if not all(greedy):
+            sampled = self._sample(logits, rows)
+            tokens = torch.where(torch.tensor(greedy, device=device), tokens, sampled)
 
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
         k = max(r.num_logprobs for r in rows)
@@ -128,11 +128,12 @@ class Sampler:
             [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device
         )
         top_p = torch.tensor([r.params.top_p for r in rows], device=device)
-        if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+        # Decided from Python values: no device sync in the hot path.
+        if any(0 < r.params.top_k < vocab or r.params.top_p < 1 for r in rows):
             logits = _top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-        if bool((min_p > 0).any()):
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
             floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         noise = torch.empty_like(probs)
