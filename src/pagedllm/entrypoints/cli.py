@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints.server.serve_cli import add_serve_parser  # imports this module
 
     add_serve_parser(sub)
+    from pagedllm.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

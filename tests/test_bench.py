@@ -1,0 +1,245 @@
+"""`pagedllm bench`: every subcommand's outputs (JSON keys, files written) on a tiny random
+model, run once through `bench report --quick`; plus the benches' pure helpers.
+No test asserts a timing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedllm.bench.claims import claims_rows
+from pagedllm.bench.common import BenchSettings
+from pagedllm.bench.hf_backend import pack_static_batches, padded_utilization
+from pagedllm.bench.latency import latency_stats
+from pagedllm.bench.simulate import simulate
+from pagedllm.bench.workload import BenchRequest, WorkloadSpec, make_workload
+from pagedllm.entrypoints.cli import main
+
+BENCHES = ("memory", "throughput", "latency", "block-size", "attention")
+COMMON_KEYS = {
+    "bench",
+    "command",
+    "config",
+    "environment",
+    "results",
+    "ratios",
+    "notes",
+    "files",
+    "table_md",
+}
+
+
+@pytest.fixture(scope="module")
+def report(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("report")
+    code = main(
+        [
+            "bench",
+            "report",
+            "--quick",
+            "--model",
+            str(tiny_llama_dir),
+            "--out",
+            str(out),
+            "--docs",
+            str(out / "benchmarks.md"),
+        ]
+    )
+    assert code == 0
+    return out
+
+
+def _load(report: Path, bench: str) -> dict:
+    return json.loads((report / bench / f"{bench}.json").read_text())
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_each_bench_writes_json_markdown_and_plots(report: Path, bench: str) -> None:
+    result = _load(report, bench)
+    assert result.keys() >= COMMON_KEYS
+    assert result["bench"] == bench
+    assert result["command"].startswith(f"pagedllm bench {bench} ")
+    assert result["results"]
+    for kind, path in result["files"].items():
+        assert Path(path).is_file(), kind
+    assert {"json", "md"} <= result["files"].keys()
+    assert any(k.startswith("png_") for k in result["files"])
+    md = (report / bench / f"{bench}.md").read_text()
+    assert md.startswith(f"# pagedllm bench {bench}") and "|---|" in md
+
+
+def test_throughput_rows_and_ratios(report: Path) -> None:
+    result = _load(report, "throughput")
+    rows = {r["system"]: r for r in result["results"]}
+    assert {"paged", "reserve-max", "reserve-oracle", "hf"} <= rows.keys()
+    for row in rows.values():
+        assert {
+            "requests_per_s",
+            "generated_tokens_per_s",
+            "mean_running_seqs",
+            "peak_running_seqs",
+            "kv_utilization",
+            "preemptions",
+        } <= row.keys()
+        assert row["generated_tokens"] == 3 * 4
+    assert rows["reserve-max"]["generated_tokens_per_s_vs_reserve-max"] == 1.0
+    assert "generated_tokens_per_s_vs_hf" in rows["paged"]
+    assert set(result["timelines"]) == {"paged", "reserve-max", "reserve-oracle"}
+    if "llama-cpp" not in rows:
+        assert any("llama-cpp" in n and "skipped" in n for n in result["notes"])
+
+
+def test_memory_bench_reports_bookkeeping(report: Path) -> None:
+    result = _load(report, "memory")
+    assert "fake model runner" in result["runner"]
+    rows = {r["system"]: r for r in result["results"]}
+    bs = result["config"]["block_size"]
+    assert rows["paged"]["max_empty_slots_per_seq"] < bs
+    assert rows["reserve-max"]["kv_memory_vs_reserve_max"] == 1.0
+    for r in rows.values():
+        fracs = r["slots_tokens_frac"] + r["slots_reserved_frac"] + r["slots_wasted_frac"]
+        assert fracs == pytest.approx(1.0, abs=1e-3)
+
+
+def test_latency_block_size_and_attention_keys(report: Path) -> None:
+    lat = _load(report, "latency")
+    assert [r["system"] for r in lat["results"]] == ["paged", "reserve-max"]
+    for r in lat["results"]:
+        for m in ("ttft", "tpot", "norm_latency"):
+            unit = "_ms" if m == "tpot" else "_s"
+            assert {f"{m}_mean{unit}", f"{m}_median{unit}", f"{m}_p99{unit}"} <= r.keys()
+    sweep = _load(report, "block-size")
+    assert [r["block_size"] for r in sweep["results"]] == [8, 16]
+    assert all(
+        "attention_ms_per_step" in r and "internal_fragmentation" in r for r in sweep["results"]
+    )
+    att = _load(report, "attention")
+    assert {r["phase"] for r in att["results"]} == {"decode", "prefill"}
+    assert all(r["max_abs_diff"] < 1e-4 for r in att["results"])  # the same computation
+
+
+def test_report_page(report: Path) -> None:
+    page = (report / "benchmarks.md").read_text()
+    assert page.startswith("# Benchmarks")
+    assert "| claim | seed says | measured here | target | verdict | command |" in page
+    for bench in BENCHES:
+        assert f"## {bench}" in page
+
+
+def test_bad_arguments_exit_2(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    code = main(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            str(tiny_llama_dir),
+            "--out",
+            str(tmp_path),
+            "--kv-cache-tokens",
+            "64",
+        ]
+    )
+    assert code == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", "--policies", "reserve-some"])
+
+
+def test_simulate_bookkeeping() -> None:
+    reqs = make_workload(WorkloadSpec("sharegpt", 40, seed=3), 100, 512)
+    settings = BenchSettings(16, 80, 512, 128, 2048)
+    paged = simulate(reqs, settings, "paged")
+    rmax = simulate(reqs, settings, "reserve-max")
+    assert paged["generated_tokens"] == rmax["generated_tokens"] == sum(r.output_len for r in reqs)
+    assert paged["max_empty_slots_per_seq"] < 16
+    assert rmax["peak_running_seqs"] == 2  # 80 blocks hold two 512-token reservations
+    assert paged["kv_utilization"] > rmax["kv_utilization"]
+
+
+def test_static_batches_fit_the_budget() -> None:
+    reqs = [BenchRequest((1,) * p, o) for p, o in [(10, 5), (20, 30), (5, 5), (40, 60), (8, 2)]]
+    batches = pack_static_batches(reqs, kv_tokens=120, max_batch=8)
+    assert [r for b in batches for r in b] == reqs
+    for b in batches:
+        rect = len(b) * (max(r.prompt_len for r in b) + max(r.output_len for r in b))
+        assert rect <= 120 or len(b) == 1
+    assert padded_utilization([BenchRequest((1,) * 4, 2)]) == 1.0
+    assert padded_utilization(reqs[:2]) < 1.0
+
+
+def test_latency_stats() -> None:
+    per = {
+        "0": {"arrival": 0.0, "first_token": 1.0, "finish": 2.0, "output_len": 11},
+        "1": {"arrival": 1.0, "first_token": 1.5, "finish": 3.5, "output_len": 5},
+    }
+    s = latency_stats(per)
+    assert s["ttft_mean_s"] == pytest.approx(0.75)
+    assert s["tpot_mean_ms"] == pytest.approx((100 + 500) / 2)
+    assert s["norm_latency_median_s"] == pytest.approx((2 / 11 + 0.5) / 2, abs=1e-3)
+
+
+def test_claims_without_results() -> None:
+    rows = claims_rows({})
+    assert len(rows) >= 10
+    assert all(r["verdict"] == "-" for r in rows)
+
+
+def test_decode_bench_rows(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "decode"
+    code = main(
+        [
+            "bench",
+            "decode",
+            "--model",
+            str(tiny_llama_dir),
+            "--out",
+            str(out),
+            "--batch-sizes",
+            "1,3",
+            "--steps",
+            "2",
+            "--prompt-len",
+            "5",
+        ]
+    )
+    assert code == 0
+    result = json.loads((out / "decode.json").read_text())
+    assert result.keys() >= COMMON_KEYS
+    assert [r["batch"] for r in result["results"]] == [1, 3]
+    assert all(r["pagedllm_ms"] > 0 and r["hf_ms"] > 0 for r in result["results"])
+
+
+def test_sharing_bench_counts_blocks_saved(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sharing"
+    code = main(
+        [
+            "bench",
+            "sharing",
+            "--model",
+            str(tiny_llama_dir),
+            "--out",
+            str(out),
+            "--num-prompts",
+            "1",
+            "--prompt-len",
+            "20",
+            "--max-tokens",
+            "4",
+            "--widths",
+            "2",
+            "--block-size",
+            "4",
+        ]
+    )
+    assert code == 0
+    rows = json.loads((out / "sharing.json").read_text())["results"]
+    assert [(r["system"], r["width"]) for r in rows] == [
+        ("parallel sampling", 2),
+        ("beam search", 2),
+    ]
+    for r in rows:
+        # Two sequences over a 20-token prompt (5 blocks): sharing always saves blocks.
+        assert r["peak_blocks_in_use"] < r["peak_blocks_unshared"]
+        assert 0 < r["mean_saved_frac"] < 1
+    assert (out / "sharing_saved.png").exists()
