@@ -25,11 +25,18 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     ).transpose(0, 1)
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_paged_equals_dense_with_shuffled_blocks(block_size: int) -> None:
+SHORT = [(0, 7), (5, 1), (17, 1), (9, 6), (0, 1), (31, 1), (3, 13)]
+# Decodes whose contexts differ by far more than 2x land in several groups.
+LONG = [(300, 1), (5, 1), (1500, 1), (700, 1), (260, 4), (40, 1), (600, 1)]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "shapes"), [(1, SHORT), (4, SHORT), (16, SHORT), (16, LONG), (8, LONG)]
+)
+def test_paged_equals_dense_with_shuffled_blocks(block_size: int, shapes) -> None:
+    """shapes: (tokens already cached, new tokens) per sequence: decodes, fresh prompts
+    and later chunks of prompts."""
     g = torch.Generator().manual_seed(block_size)
-    # (tokens already cached, new tokens): decodes, a fresh prompt, and a later chunk.
-    shapes = [(0, 7), (5, 1), (17, 1), (9, 6), (0, 1), (31, 1), (3, 13)]
     num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 5
     perm = torch.randperm(num_blocks, generator=g).tolist()
     k_cache = torch.zeros(num_blocks, block_size, KV_HEADS, DIM)
@@ -54,6 +61,8 @@ def test_paged_equals_dense_with_shuffled_blocks(block_size: int) -> None:
         logits_seq_indices=range(len(shapes)),
         block_size=block_size,
     )
+    if shapes is LONG:
+        assert sum(grp.is_decode for grp in meta.groups) >= 3
     q = torch.randn(meta.num_tokens, HEADS, DIM, generator=g)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])

@@ -4,7 +4,8 @@ Built once per step by the model runner and passed down the forward as an argume
 global context). The batch is flat: sequence i's new tokens are rows
 `query_start_loc[i]:query_start_loc[i+1]`. For the reference backend the sequences are
 also split into groups of equal query length class (decodes, and chunks of prompts),
-each padded into a rectangle so attention is one batched call per group.
+each padded into a rectangle so attention is one batched call per group; decodes are
+bucketed by context length so that padding stays small.
 """
 
 from __future__ import annotations
@@ -49,6 +50,53 @@ def _pad(rows: Sequence[Sequence[int]], width: int) -> torch.Tensor:
     return out
 
 
+def _context_buckets(members: torch.Tensor, context_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Split decoding sequences into groups whose longest context is at most twice the
+    shortest (or under 256 tokens), so padding to a group's longest context wastes little
+    when lengths vary; a handful of groups, never one per sequence."""
+    if members.numel() == 0:
+        return []
+    ctx = context_lens[members]
+    order = torch.argsort(ctx)
+    sorted_ctx = ctx[order].tolist()
+    buckets, start = [], 0
+    for i, n in enumerate(sorted_ctx):
+        if n > max(2 * sorted_ctx[start], 256):
+            buckets.append(members[order[start:i]])
+            start = i
+    buckets.append(members[order[start:]])
+    return buckets
+
+
+def _group(
+    members: torch.Tensor,
+    qlens: torch.Tensor,
+    qsl: torch.Tensor,
+    starts: torch.Tensor,
+    context_lens: torch.Tensor,
+    tables: torch.Tensor,
+    block_size: int,
+    device: torch.device | str,
+) -> AttentionGroup:
+    g_qlens = qlens[members]
+    max_q = int(g_qlens.max())
+    offs = torch.arange(max_q)
+    valid = offs[None, :] < g_qlens[:, None]
+    token_index = torch.where(valid, qsl[members][:, None] + offs[None, :], 0)
+    query_pos = torch.where(valid, starts[members][:, None] + offs[None, :], 0)
+    g_ctx = context_lens[members]
+    max_ctx = int(g_ctx.max())
+    return AttentionGroup(
+        token_index=token_index.to(device),
+        query_valid=valid.to(device),
+        query_pos=query_pos.to(device),
+        block_tables=tables[members][:, : -(-max_ctx // block_size)].to(device),
+        context_lens=g_ctx.to(device),
+        max_context_len=max_ctx,
+        is_decode=max_q == 1,
+    )
+
+
 def build_attention_metadata(
     start_positions: Sequence[int],
     query_lens: Sequence[int],
@@ -75,30 +123,12 @@ def build_attention_metadata(
 
     groups = []
     is_decode = qlens == 1
-    for decode in (True, False):
-        members = torch.nonzero(is_decode == decode).flatten()
-        if members.numel() == 0:
-            continue
-        g_qlens = qlens[members]
-        max_q = int(g_qlens.max())
-        offs = torch.arange(max_q)
-        valid = offs[None, :] < g_qlens[:, None]
-        token_index = torch.where(valid, qsl[members][:, None] + offs[None, :], 0)
-        query_pos = torch.where(valid, starts[members][:, None] + offs[None, :], 0)
-        g_ctx = context_lens[members]
-        max_ctx = int(g_ctx.max())
-        g_tables = tables[members][:, : -(-max_ctx // block_size)]
-        groups.append(
-            AttentionGroup(
-                token_index=token_index.to(device),
-                query_valid=valid.to(device),
-                query_pos=query_pos.to(device),
-                block_tables=g_tables.to(device),
-                context_lens=g_ctx.to(device),
-                max_context_len=max_ctx,
-                is_decode=decode,
-            )
-        )
+    decodes = torch.nonzero(is_decode).flatten()
+    prompts = torch.nonzero(~is_decode).flatten()
+    for members in _context_buckets(decodes, context_lens):
+        groups.append(_group(members, qlens, qsl, starts, context_lens, tables, block_size, device))
+    if prompts.numel():
+        groups.append(_group(prompts, qlens, qsl, starts, context_lens, tables, block_size, device))
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         positions=positions.to(device),

@@ -58,7 +58,7 @@ class ReferenceAttention:
     ) -> torch.Tensor:
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(query)
-        for group in meta.groups:  # at most two: decodes and prompt chunks
+        for group in meta.groups:  # a few: decodes by context length, and prompt chunks
             self._attend(query, k_cache, v_cache, group, out)
         return out
 
