@@ -258,6 +258,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
     if args.out:
         config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(
                 {
