@@ -92,7 +92,7 @@ class EngineCollector(Collector):
             "kv_blocks_total": ("KV cache blocks in the pool", u.num_blocks),
             "kv_blocks_used": ("KV cache blocks held by sequences", u.used_blocks),
             "kv_blocks_free": ("KV cache blocks free (including cached ones)", u.free_blocks),
-            "kv_blocks_cached": ("free blocks still holding a cached prefix", u.cached_blocks),
+            "kv_blocks_cached": ("blocks holding a cached prefix, in use or free", u.cached_blocks),
             "kv_cache_usage_perc": (
                 "fraction of KV blocks in use (0..1)",
                 u.used_blocks / u.num_blocks if u.num_blocks else 0.0,
@@ -103,6 +103,10 @@ class EngineCollector(Collector):
             ),
             "kv_tokens_stored": ("tokens whose K/V is stored", u.tokens_stored),
             "kv_shared_blocks": ("blocks shared by more than one sequence", u.shared_blocks),
+            "kv_blocks_saved_by_sharing": (
+                "block-table entries minus blocks in use: what sharing saves",
+                u.blocks_saved_by_sharing,
+            ),
             "num_requests_running": ("requests running", snap.num_running),
             "num_requests_waiting": ("requests waiting to be scheduled", snap.num_waiting),
             "num_seqs_running": ("sequences running", snap.num_running_seqs),
