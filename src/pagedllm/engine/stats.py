@@ -1,13 +1,12 @@
 """EngineStats: running figures of the engine, updated once per step.
 
 Counts tokens and steps, and samples the KV pool after every step, so a run can report
-peak blocks in use, time-averaged utilisation and sharing, and preemptions.
+peak blocks in use, time-averaged utilisation and batch size.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.kv.manager import KVCacheManager, KVUsage
@@ -19,8 +18,6 @@ class EngineStats:
     tokens_computed: int = 0  # prompt, decode and recomputed tokens run through the model
     peak_used_blocks: int = 0
     peak_running_seqs: int = 0
-    peak_blocks_saved_by_sharing: int = 0
-    started: float = field(default_factory=time.perf_counter)
     last_usage: KVUsage | None = None
     _util_sum: float = 0.0
     _running_sum: int = 0
@@ -33,9 +30,6 @@ class EngineStats:
         running = scheduler.num_running_seqs
         self.peak_used_blocks = max(self.peak_used_blocks, usage.used_blocks)
         self.peak_running_seqs = max(self.peak_running_seqs, running)
-        self.peak_blocks_saved_by_sharing = max(
-            self.peak_blocks_saved_by_sharing, usage.blocks_saved_by_sharing
-        )
         self._util_sum += usage.utilization
         self._running_sum += running
 
