@@ -27,6 +27,11 @@ class AttentionGroup:
     context_lens: torch.Tensor  # [G] tokens in context after this step's writes
     max_context_len: int
     is_decode: bool  # every query length is 1: the output needs no scatter
+    # [G, 1, Lq, Lk] additive mask, 0 where a query sees a key and -inf elsewhere: key j is
+    # visible to a query at position p iff j <= p (causal in the chunk, all of the cache).
+    # Built once per step for every layer; additive because torch's CPU attention has a
+    # fast path for it that a boolean mask misses.
+    attn_bias: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ def _group(
     tables: torch.Tensor,
     block_size: int,
     device: torch.device | str,
+    dtype: torch.dtype,
 ) -> AttentionGroup:
     g_qlens = qlens[members]
     max_q = int(g_qlens.max())
@@ -86,6 +92,8 @@ def _group(
     query_pos = torch.where(valid, starts[members][:, None] + offs[None, :], 0)
     g_ctx = context_lens[members]
     max_ctx = int(g_ctx.max())
+    allowed = torch.arange(max_ctx)[None, None, :] <= query_pos[:, :, None]
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     return AttentionGroup(
         token_index=token_index.to(device),
         query_valid=valid.to(device),
@@ -94,6 +102,7 @@ def _group(
         context_lens=g_ctx.to(device),
         max_context_len=max_ctx,
         is_decode=max_q == 1,
+        attn_bias=bias[:, None].to(device),
     )
 
 
@@ -104,6 +113,7 @@ def build_attention_metadata(
     logits_seq_indices: Sequence[int],
     block_size: int,
     device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Metadata for sequences that compute `query_lens[i]` tokens from `start_positions[i]`."""
     num_seqs = len(query_lens)
@@ -126,9 +136,13 @@ def build_attention_metadata(
     decodes = torch.nonzero(is_decode).flatten()
     prompts = torch.nonzero(~is_decode).flatten()
     for members in _context_buckets(decodes, context_lens):
-        groups.append(_group(members, qlens, qsl, starts, context_lens, tables, block_size, device))
+        groups.append(
+            _group(members, qlens, qsl, starts, context_lens, tables, block_size, device, dtype)
+        )
     if prompts.numel():
-        groups.append(_group(prompts, qlens, qsl, starts, context_lens, tables, block_size, device))
+        groups.append(
+            _group(prompts, qlens, qsl, starts, context_lens, tables, block_size, device, dtype)
+        )
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         positions=positions.to(device),

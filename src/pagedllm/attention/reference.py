@@ -28,12 +28,22 @@ def write_kv(
 
 
 def gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_context_len: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[G, max_context_len, kv_heads, head_dim]: each sequence's K (or V) in token order."""
+    """[G, max_context_len, kv_heads, head_dim]: each sequence's K (or V) in token order,
+    copied into `out` (a flat buffer of at least G * blocks * block elements) when given."""
     g, nb = block_tables.shape
-    _, bs, kvh, d = cache.shape
-    return cache[block_tables].reshape(g, nb * bs, kvh, d)[:, :max_context_len]
+    num_blocks, bs, kvh, d = cache.shape
+    flat = cache.view(num_blocks, bs * kvh * d)
+    if out is None:
+        gathered = flat.index_select(0, block_tables.flatten())
+    else:
+        gathered = out[: g * nb * bs * kvh * d].view(g * nb, bs * kvh * d)
+        torch.index_select(flat, 0, block_tables.flatten(), out=gathered)
+    return gathered.view(g, nb * bs, kvh, d)[:, :max_context_len]
 
 
 class ReferenceAttention:
@@ -46,6 +56,17 @@ class ReferenceAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Gather buffers reused by every layer and step: a fresh tensor of this size per
+        # call costs page faults that took longer than the copy itself (about 7x on a CPU).
+        self._workspace: torch.Tensor | None = None
+
+    def _buffers(self, cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, ...]:
+        g, nb = group.block_tables.shape
+        n = g * nb * cache[0].numel()
+        ws = self._workspace
+        if ws is None or ws.numel() < 2 * n or ws.dtype != cache.dtype or ws.device != cache.device:
+            ws = self._workspace = torch.empty(2 * n, dtype=cache.dtype, device=cache.device)
+        return ws[:n], ws[n : 2 * n]
 
     def __call__(
         self,
@@ -71,13 +92,12 @@ class ReferenceAttention:
         out: torch.Tensor,
     ) -> None:
         q = query[group.token_index].transpose(1, 2)  # [G, heads, Lq, d]
-        k = gather_context(k_cache, group.block_tables, group.max_context_len).transpose(1, 2)
-        v = gather_context(v_cache, group.block_tables, group.max_context_len).transpose(1, 2)
-        key_pos = torch.arange(group.max_context_len, device=query.device)
-        # Absolute positions make one rule of causal-within-the-chunk and full-over-the-cache.
-        mask = key_pos[None, None, :] <= group.query_pos[:, :, None]  # [G, Lq, Lk]
+        k_buf, v_buf = self._buffers(k_cache, group)
+        length = group.max_context_len
+        k = gather_context(k_cache, group.block_tables, length, k_buf).transpose(1, 2)
+        v = gather_context(v_cache, group.block_tables, length, v_buf).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
+            q, k, v, attn_mask=group.attn_bias.to(q.dtype), scale=self.scale, enable_gqa=True
         ).transpose(1, 2)  # [G, Lq, heads, d]
         if group.is_decode:
             out[group.token_index[:, 0]] = o[:, 0]

@@ -37,6 +37,7 @@ class ModelRunner:
             logits_seq_indices=[i for i, s in enumerate(seqs) if s.needs_logits],
             block_size=self.kv_cache.block_size,
             device=self.device,
+            dtype=self.kv_cache.data.dtype,
         )
         hidden = self.model(input_ids, meta.positions, self.kv_cache.layers, meta)
         return self.model.compute_logits(hidden[meta.logits_indices])
