@@ -22,9 +22,7 @@ class AttentionGroup:
 
     token_index: torch.Tensor  # [G, Lq] row of each query in the flat batch (pads: 0)
     query_valid: torch.Tensor  # [G, Lq] bool
-    query_pos: torch.Tensor  # [G, Lq] absolute position of each query (pads: 0)
     block_tables: torch.Tensor  # [G, max_blocks] physical block ids (pads: 0)
-    context_lens: torch.Tensor  # [G] tokens in context after this step's writes
     max_context_len: int
     is_decode: bool  # every query length is 1: the output needs no scatter
     # [G, 1, Lq, Lk] additive mask, 0 where a query sees a key and -inf elsewhere: key j is
@@ -90,16 +88,13 @@ def _group(
     valid = offs[None, :] < g_qlens[:, None]
     token_index = torch.where(valid, qsl[members][:, None] + offs[None, :], 0)
     query_pos = torch.where(valid, starts[members][:, None] + offs[None, :], 0)
-    g_ctx = context_lens[members]
-    max_ctx = int(g_ctx.max())
+    max_ctx = int(context_lens[members].max())
     allowed = torch.arange(max_ctx)[None, None, :] <= query_pos[:, :, None]
     bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     return AttentionGroup(
         token_index=token_index.to(device),
         query_valid=valid.to(device),
-        query_pos=query_pos.to(device),
         block_tables=tables[members][:, : -(-max_ctx // block_size)].to(device),
-        context_lens=g_ctx.to(device),
         max_context_len=max_ctx,
         is_decode=max_q == 1,
         attn_bias=bias[:, None].to(device),

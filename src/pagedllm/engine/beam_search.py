@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.core.sequence import Request, Sequence
+from pagedllm.core.sequence import Sequence
 from pagedllm.sampling_params import BeamSearchParams
 
 NEG_INF = -1.0e9
@@ -36,26 +36,25 @@ class BeamState:
     finished: list[Hypothesis] = field(default_factory=list)  # best first, at most k
     improvable: bool = True  # transformers' is_early_stop_heuristic_unsatisfied
 
-    def _add_finished(self, hyps: list[Hypothesis]) -> None:
+    def add_finished(self, hyps: list[Hypothesis]) -> None:
         merged = sorted([*self.finished, *hyps], key=lambda h: h.score, reverse=True)
         self.finished = merged[: self.params.beam_width]
 
 
 Candidate = tuple[float, int, int]  # (accumulated log-prob, beam index, token)
-ForkFn = Callable[[Request, Sequence], Sequence]
-FinishFn = Callable[[Request, Sequence], None]
 
 
 def advance_beams(
-    req: Request,
     state: BeamState,
     beams: list[Sequence],
     top: list[tuple[list[int], list[float]]],
-    fork: ForkFn,
-    finish: FinishFn,
+    fork: Callable[[Sequence], Sequence],
+    drop: Callable[[Sequence], None],
 ) -> bool:
-    """One beam-search step for `beams` (live, same length) given each beam's best next
-    tokens and log-probs (as many as candidates are kept). True when the search is over."""
+    """One beam-search step for `beams` (all the live beams, of equal length) given each
+    beam's best next tokens and log-probs (as many as candidates are kept). `fork(beam)`
+    returns a new sequence sharing the beam's blocks; `drop(beam)` frees one. When the
+    search is over (True), every beam has been dropped."""
     k = state.params.beam_width
     prompt_len = beams[0].num_prompt_tokens
     gen_len = beams[0].num_tokens - prompt_len + 1  # generated tokens after this step
@@ -68,8 +67,8 @@ def advance_beams(
     candidates.sort(key=lambda c: c[0], reverse=True)
     candidates = candidates[: len(top[0][0])]  # as many as each beam proposed
 
-    def ends(c: Candidate) -> bool:
-        return at_limit or (not state.params.ignore_eos and c[2] in state.eos_token_ids)
+    def ends(token: int) -> bool:
+        return at_limit or (not state.params.ignore_eos and token in state.eos_token_ids)
 
     if state.improvable:
         new = [
@@ -79,10 +78,10 @@ def advance_beams(
                 score,
             )
             for score, b, tok in candidates[:k]
-            if ends((score, b, tok))
+            if ends(tok)
         ]
-        state._add_finished(new)
-    survivors = [c for c in candidates if not ends(c)][:k]
+        state.add_finished(new)
+    survivors = [c for c in candidates if not ends(c[2])][:k]
 
     best_running = survivors[0][0] if survivors else NEG_INF
     if len(state.finished) == k:
@@ -96,7 +95,7 @@ def advance_beams(
         children.setdefault(c[1], []).append(c)
     for b, beam in enumerate(beams):
         for score, _, tok in children.get(b, [])[1:]:
-            child = fork(req, beam)
+            child = fork(beam)
             child.token_ids.append(tok)
             child.cumulative_logprob = score
     for b, beam in enumerate(beams):
@@ -105,5 +104,5 @@ def advance_beams(
             beam.token_ids.append(tok)
             beam.cumulative_logprob = score
         else:
-            finish(req, beam)
+            drop(beam)
     return done

@@ -244,26 +244,23 @@ class LLMEngine:
         top_ids: list[list[int]],
         top_logprobs: list[list[float]],
     ) -> None:
-        def fork(r: Request, parent: Sequence) -> Sequence:
+        def fork(parent: Sequence) -> Sequence:
             child = self._new_seq(
                 parent.token_ids,
                 None,
-                index=len(r.seqs),
+                index=len(req.seqs),
                 num_prompt_tokens=parent.num_prompt_tokens,
             )
-            self.scheduler.fork(r, parent, child)
+            self.scheduler.fork(req, parent, child)
             return child
+
+        def drop(beam: Sequence) -> None:
+            self.scheduler.finish_seq(req, beam, keep=False)
 
         beams = [seq for seq, _ in entries]
         top = [(top_ids[i], top_logprobs[i]) for _, i in entries]
-
-        def drop(r: Request, beam: Sequence) -> None:
-            self.scheduler.finish_seq(r, beam, keep=False)
-
-        done = advance_beams(req, req.beam, beams, top, fork, drop)
-        if done:
-            for seq in list(req.seqs):
-                drop(req, seq)
+        # When the search ends every beam is dropped, and with the last one the request.
+        advance_beams(req.beam, beams, top, fork, drop)
 
     def _new_seq(
         self,

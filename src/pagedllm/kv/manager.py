@@ -144,6 +144,9 @@ class KVCacheManager:
         Each may start from its prefix-cache hits (`cached`: blocks and their hashes) and
         reserve blocks for `reserve_tokens` up front. Admissions keep the watermark free.
         """
+        taken = [seq_id for seq_id in seq_ids if seq_id in self.tables]
+        if taken:
+            raise ValueError(f"sequences {taken} already have block tables")
         target = max(num_tokens, reserve_tokens)
         # Cache hits that sit in the free queue stop being free when taken.
         from_free = {b for hits, _ in cached for b in hits if self.allocator.ref_count(b) == 0}
@@ -154,8 +157,6 @@ class KVCacheManager:
         # Take every hit before allocating any new block: an allocation must not evict a
         # block another sequence of the group is about to reuse.
         for seq_id, (hits, hashes) in zip(seq_ids, cached, strict=True):
-            if seq_id in self.tables:
-                raise ValueError(f"sequence {seq_id} already has a block table")
             table = BlockTable(self.block_size, self.allocator)
             for block, block_hash in zip(hits, hashes, strict=True):
                 info = self.allocator.cached_info(block)
