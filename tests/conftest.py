@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny random Llama-family models saved with `save_pretrained`, and the
-transformers oracle for them."""
+"""Shared fixtures: tiny random Llama-family models (built by `hf_oracle`), saved once
+per session."""
 
 from __future__ import annotations
 
@@ -9,37 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_oracle import make_tiny_model
+
 # Deterministic, quick CPU runs whatever the machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=512,
-)
-
-
-def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, **overrides}))
-    else:
-        raise ValueError(arch)
-    # Random init leaves biases at zero; make Qwen2's q/k/v biases matter.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -50,25 +23,3 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
-
-
-def load_hf(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation, EOS ignored."""
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),  # else a token equal to pad_token_id is masked
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    return out[0, len(prompt_ids) :].tolist()

@@ -116,18 +116,18 @@ def test_exception_in_one_request_fails_only_that_request(make_engine, monkeypat
 
 def test_failed_step_fails_its_requests_and_the_loop_serves_on(make_engine, monkeypatch) -> None:
     engine = make_engine(max_num_seqs=1)  # one request runs, the next one waits
-    real_step = engine.engine.step
+    runner = engine.engine.runner
+    real_execute = runner.execute
     failed = []
 
-    def step() -> list:
-        scheduler = engine.engine.scheduler
-        victim = scheduler.requests.get("victim")
-        if not failed and victim in scheduler.running and victim.seqs[0].num_output_tokens >= 3:
+    def execute(step, rows):  # the model fails in the middle of the victim's decoding
+        victim = engine.engine.scheduler.requests.get("victim")
+        if not failed and victim is not None and victim.seqs[0].num_output_tokens >= 3:
             failed.append(True)
             raise RuntimeError("CUDA error: device-side assert")
-        return real_step()
+        return real_execute(step, rows)
 
-    monkeypatch.setattr(engine.engine, "step", step)
+    monkeypatch.setattr(runner, "execute", execute)
 
     async def main() -> tuple[list[object], list[int], int]:
         results = await asyncio.gather(

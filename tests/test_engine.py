@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, load_hf
+from hf_oracle import hf_greedy, load_hf
 from pagedllm import LLM, SamplingParams
+from pagedllm.errors import InvalidParameterError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -88,14 +89,32 @@ def test_abort_frees_every_block(tiny_llama_dir, prompts) -> None:
 
 def test_over_long_and_oversized_requests_are_rejected(tiny_llama_dir) -> None:
     llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=8, max_model_len=64)
-    with pytest.raises(ValueError, match=r"exceeds max_model_len \(64\)"):
-        llm.generate([{"prompt_token_ids": [1] * 60}], SamplingParams(max_tokens=10))
-    with pytest.raises(ValueError, match="the pool has 8 usable blocks"):
-        llm.generate([{"prompt_token_ids": [1] * 30}], SamplingParams(max_tokens=10))
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, 127\]"):
-        llm.generate([{"prompt_token_ids": [500]}])
-    with pytest.raises(ValueError, match="at least one token"):
-        llm.generate([{"prompt_token_ids": []}])
+    cases = [
+        ([1] * 60, SamplingParams(max_tokens=10), "max_tokens", "context_length_exceeded"),
+        ([1] * 64, SamplingParams(max_tokens=1), "prompt", "context_length_exceeded"),
+        ([1] * 30, SamplingParams(max_tokens=10), "max_tokens", "kv_cache_exceeded"),
+        ([1] * 10, SamplingParams(n=3, max_tokens=10), "n", "kv_cache_exceeded"),
+        ([500], SamplingParams(), "prompt", "invalid_value"),
+        ([], SamplingParams(), "prompt", "invalid_value"),
+        ([1], SamplingParams(stop_token_ids=[128]), "stop_token_ids", "invalid_value"),
+        ([1], SamplingParams(logit_bias={128: 1.0}), "logit_bias", "invalid_value"),
+        ([1], SamplingParams(n=2, best_of=200), "best_of", "invalid_value"),
+    ]
+    messages = [
+        r"exceeds max_model_len \(64\)",
+        r"exceeds max_model_len \(64\)",
+        "the pool has 8 usable blocks",
+        "the pool has 8 usable blocks",
+        r"must be integers in \[0, 127\], got 500",
+        "at least one token",
+        r"\[0, 127\]",
+        r"\[0, 127\]",
+        "best_of must be at most 128",
+    ]
+    for (prompt, params, param, code), message in zip(cases, messages, strict=True):
+        with pytest.raises(InvalidParameterError, match=message) as info:
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert (info.value.param, info.value.code) == (param, code)
     # Nothing was left queued or allocated by the rejected requests.
     assert not llm.engine.has_unfinished_requests()
     assert_pool_whole(llm)
@@ -121,8 +140,9 @@ def test_over_long_and_oversized_requests_are_rejected(tiny_llama_dir) -> None:
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field) -> None:
-    with pytest.raises(ValueError, match=rf"^{field} must be"):
+    with pytest.raises(InvalidParameterError, match=rf"^{field} must be") as info:
         SamplingParams(**kwargs)
+    assert info.value.param == field
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir, prompts) -> None:
@@ -161,7 +181,7 @@ def test_requests_that_could_stall_are_rejected_up_front(tiny_llama_dir) -> None
     llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=2)
     with pytest.raises(ValueError, match="stop_token_ids must be in"):
         generate(llm, [[1, 2]], SamplingParams(stop_token_ids=[100000]))
-    with pytest.raises(ValueError, match="max_num_batched_tokens is 2"):
+    with pytest.raises(ValueError, match=r"n must be at most 2 \(max_num_batched_tokens"):
         generate(llm, [[1, 2]], SamplingParams(n=4, temperature=1.0))
     baseline = LLM(str(tiny_llama_dir), kv_reservation="reserve-max", num_kv_blocks=40)
     with pytest.raises(ValueError, match="kv_reservation='reserve-max' is a one-sequence"):

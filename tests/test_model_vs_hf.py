@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_hf
+from hf_oracle import load_hf
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.loader import load_model
 from pagedllm.model.llama import LlamaForCausalLM

@@ -4,7 +4,6 @@ strings (across tokens, cut from the text, only after min_tokens), max_tokens.""
 from __future__ import annotations
 
 from pagedllm.core.sequence import Sequence
-from pagedllm.engine.detokenizer import start_offsets
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.sampling_params import SamplingParams
 
@@ -21,7 +20,6 @@ class Letters:
 def run(params: SamplingParams, tokens: list[int]) -> Sequence:
     processor = OutputProcessor(Letters(), {EOS}, max_model_len=100)
     seq = Sequence(0, [0, 0], 2)
-    start_offsets(seq)
     for t in tokens:
         seq.token_ids.append(t)
         processor.check_stop(params, seq)

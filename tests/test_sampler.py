@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import load_hf
+from hf_oracle import load_hf
 from pagedllm import LLM, SamplingParams
 from pagedllm.worker.sampler import Sampler, SampleRow
 
@@ -18,7 +18,7 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
 def draw(params: SamplingParams, times: int = 400, **row) -> set[int]:
     sampler = Sampler(torch.Generator().manual_seed(0))
-    rows = [SampleRow(0, params, **row)] * times
+    rows = [SampleRow(0, 0, params, **row)] * times
     return set(sampler(LOGITS, rows).token_ids)
 
 
@@ -31,12 +31,14 @@ def test_greedy_and_filters_restrict_the_support() -> None:
     assert draw(SamplingParams(temperature=1.0, top_p=0.01)) == {0}
     assert draw(SamplingParams(temperature=1.0, min_p=0.3)) == {0, 1}
     assert draw(SamplingParams(temperature=1.0), suppressed_ids=(0, 1)) <= {2, 3, 4, 5}
+    assert draw(SamplingParams(temperature=0, logit_bias={4: 3.5})) == {4}
+    assert draw(SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100})) <= {2, 3, 4, 5}
 
 
 def test_temperature_sharpens_the_distribution() -> None:
     sampler = Sampler(torch.Generator().manual_seed(0))
-    hot = sampler(LOGITS, [SampleRow(0, SamplingParams(temperature=2.0))] * 2000).token_ids
-    cold = sampler(LOGITS, [SampleRow(0, SamplingParams(temperature=0.3))] * 2000).token_ids
+    hot = sampler(LOGITS, [SampleRow(0, 0, SamplingParams(temperature=2.0))] * 2000).token_ids
+    cold = sampler(LOGITS, [SampleRow(0, 0, SamplingParams(temperature=0.3))] * 2000).token_ids
     assert hot.count(0) < cold.count(0)
     expected = torch.softmax(LOGITS[0] / 0.3, -1)[0].item()
     assert cold.count(0) / 2000 == pytest.approx(expected, abs=0.04)
@@ -48,12 +50,10 @@ def test_seeded_rows_draw_the_same_whatever_the_batch() -> None:
 
     def seeded_tokens(extra_rows: int) -> list[int]:
         g = torch.Generator().manual_seed(5)
-        rows = [SampleRow(0, SamplingParams(temperature=1.0))] * extra_rows
-        rows += [SampleRow(2, params, generator=g) for _ in range(1)]
-        out = []
-        for _ in range(10):
-            out.append(Sampler()(logits, rows).token_ids[-1])
-        return out
+        rows = [SampleRow(0, 0, SamplingParams(temperature=1.0))] * extra_rows
+        rows.append(SampleRow(2, 1, params))
+        generators = [None] * extra_rows + [g]
+        return [Sampler()(logits, rows, generators).token_ids[-1] for _ in range(10)]
 
     assert seeded_tokens(0) == seeded_tokens(3)
 
@@ -62,6 +62,7 @@ def test_penalties_follow_their_definitions() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
     rows = [
         SampleRow(
+            0,
             0,
             SamplingParams(temperature=0, repetition_penalty=2.0),
             prompt_ids=(0,),
@@ -74,6 +75,7 @@ def test_penalties_follow_their_definitions() -> None:
     assert out.tolist() == [[1.0, -2.0, 0.5, 1.0]]
     rows = [
         SampleRow(
+            0,
             0,
             SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
             prompt_ids=(2,),

@@ -1,23 +1,50 @@
-"""Property test of the scheduler and block manager with a fake model runner.
+"""Property tests of the scheduler and the block manager, driven through the engine's own
+`step()` with a fake model runner (random tokens, no model).
 
-Random arrivals (some sharing prompt prefixes), lengths, parallel sampling (forks and
-copy-on-write), aborts and finishes under a tiny pool. After every step: every block is
-free or referenced, each reference count equals the number of block-table entries
-pointing at it, used + free = total, every table covers its tokens; at the end the pool
-is whole.
+Random arrivals (some sharing prompt prefixes), lengths, parallel sampling and best_of
+(forks and copy-on-write), beam searches (forks and dropped beams), EOS, aborts and
+preemptions under a tiny pool. After every step: every block is free or referenced, each
+reference count equals the number of block-table entries pointing at it, used + free =
+total, every table covers its tokens; at the end the pool is whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+import subprocess
+import sys
 from collections import Counter
+from collections.abc import Sequence
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig
-from pagedllm.core.sequence import Request, Sequence
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.sequence import Request
+from pagedllm.core.sequence import Sequence as Seq
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.fake_runner import FakeModelRunner
+from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
+
+VOCAB = 50
+EOS = 0
+
+
+class CountingRunner(FakeModelRunner):
+    """Random tokens; counts the copy-on-write copies the engine asked for."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(ModelSpec(VOCAB, 4096, (EOS,)), seed=seed)
+        self.copies = 0
+
+    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+        self.copies += len(step.blocks_to_copy)
+        return super().execute(step, rows)
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -50,77 +77,50 @@ def check_invariants(sched: Scheduler) -> None:
     assert running_seqs <= sched.config.max_num_seqs
 
 
-def simulate(seed: int, steps: int = 150, caching: bool = True) -> Scheduler:
+def random_params(rng: random.Random) -> SamplingParams | BeamSearchParams:
+    max_tokens = rng.randint(1, 30)
+    kind = rng.random()
+    if kind < 0.15:
+        return BeamSearchParams(beam_width=rng.choice([2, 3]), max_tokens=max_tokens)
+    n = rng.choice([1, 1, 1, 2, 3])
+    best_of = n + 1 if kind < 0.25 else None
+    return SamplingParams(
+        n=n, best_of=best_of, max_tokens=max_tokens, ignore_eos=rng.random() < 0.5
+    )
+
+
+def simulate(seed: int, steps: int = 150, caching: bool = True) -> LLMEngine:
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randint(12, 40)
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
-    sched = Scheduler(
-        SchedulerConfig(
-            max_model_len=num_blocks * block_size // 2,
-            max_num_seqs=rng.randint(1, 8),
-            max_num_batched_tokens=rng.randint(1, 32),
-        ),
-        kv,
+    config = EngineConfig(
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_model_len=num_blocks * block_size // 2,
+        max_num_seqs=rng.randint(1, 8),
+        max_num_batched_tokens=rng.randint(1, 32),
+        enable_prefix_caching=caching,
     )
-    prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 12))] for _ in range(3)]
-    limits: dict[str, int] = {}
+    engine = LLMEngine(config, runner=CountingRunner(rng.randrange(2**32)))
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(3)]
     next_id = 0
     for _ in range(steps):
         if rng.random() < 0.5:
-            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(0, 6))]
-            n = rng.choice([1, 1, 1, 2, 3])
-            max_new = rng.randint(1, 30)
-            try:
-                sched.check_fits(len(prompt), max_new, n)
-            except ValueError:
-                pass
-            else:
-                rid = f"r{next_id}"
-                next_id += 1
-                seq = Sequence(sched.new_seq_id(), list(prompt), len(prompt))
-                sched.add_request(Request(rid, [seq], max_num_seqs=n))
-                limits[rid] = max_new
-        if sched.requests and rng.random() < 0.05:
-            sched.abort(rng.choice(list(sched.requests)))
-        out = sched.schedule()
-        check_invariants(sched)
-        sched.update_from_output(out)
-        for s in out.seqs:
-            if not s.needs_logits or s.request_id not in sched.requests:
-                continue
-            req = sched.requests[s.request_id]
-            seq = next((q for q in req.seqs if q.seq_id == s.seq_id), None)
-            if seq is None:
-                continue
-            targets = [seq]
-            if req.max_num_seqs > 1 and len(req.seqs) == 1 and seq.num_output_tokens == 0:
-                for _ in range(req.max_num_seqs - 1):
-                    child = Sequence(sched.new_seq_id(), list(seq.token_ids), seq.num_prompt_tokens)
-                    sched.fork(req, seq, child)
-                    targets.append(child)
-            for t in targets:
-                t.token_ids.append(rng.randrange(50))
-                if t.num_output_tokens >= limits[req.request_id] or rng.random() < 0.02:
-                    sched.finish_seq(req, t)
-        for req in list(sched.running):
-            # A beam-search step: a beam forks (sharing every block) and another is dropped.
-            if req.max_num_seqs > 1 and req.seqs[0].num_output_tokens > 0 and rng.random() < 0.3:
-                parent = rng.choice(req.seqs)
-                if len(req.seqs) < req.max_num_seqs:
-                    child = Sequence(
-                        sched.new_seq_id(), list(parent.token_ids), parent.num_prompt_tokens
-                    )
-                    sched.fork(req, parent, child)
-                if rng.random() < 0.5:
-                    sched.finish_seq(req, rng.choice(req.seqs))
-        check_invariants(sched)
-    for rid in list(sched.requests):
-        sched.abort(rid)
-    check_invariants(sched)
-    assert kv.allocator.num_free_blocks == num_blocks
-    assert not kv.tables
-    return sched
+            prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 6))]
+            # A request that could never fit this pool is rejected up front, holding nothing.
+            with contextlib.suppress(InvalidParameterError):
+                engine.add_request(f"r{next_id}", prompt, random_params(rng))
+            next_id += 1
+        if engine.scheduler.requests and rng.random() < 0.05:
+            engine.abort(rng.choice(list(engine.scheduler.requests)))
+        engine.step()
+        check_invariants(engine.scheduler)
+    for rid in list(engine.scheduler.requests):
+        engine.abort(rid)
+    check_invariants(engine.scheduler)
+    assert engine.kv.allocator.num_free_blocks == num_blocks
+    assert not engine.kv.tables
+    return engine
 
 
 @settings(max_examples=60, deadline=None)
@@ -129,50 +129,37 @@ def test_pool_stays_consistent(seed: int, caching: bool) -> None:
     simulate(seed, caching=caching)
 
 
-def test_many_steps_with_preemptions_copies_and_cache_hits(monkeypatch) -> None:
-    copies = 0
-    take = KVCacheManager.take_copies
-
-    def counting(self: KVCacheManager) -> list[tuple[int, int]]:
-        nonlocal copies
-        out = take(self)
-        copies += len(out)
-        return out
-
-    monkeypatch.setattr(KVCacheManager, "take_copies", counting)
-    preemptions = hits = 0
+def test_many_steps_with_preemptions_copies_and_cache_hits() -> None:
+    preemptions = hits = copies = 0
     for seed in range(20):
-        sched = simulate(seed, steps=400)
-        preemptions += sched.num_preemptions
-        hits += sched.prefix_hit_tokens
+        engine = simulate(seed, steps=400)
+        preemptions += engine.scheduler.num_preemptions
+        hits += engine.scheduler.prefix_hit_tokens
+        copies += engine.runner.copies
     # The randomized runs really exercise preemption, copy-on-write and the prefix cache.
     assert preemptions > 0 and hits > 0 and copies > 0
 
 
 def test_requests_run_to_completion_without_aborts() -> None:
     """With no aborts, every admitted request finishes: nothing is stuck."""
-    kv = KVCacheManager(10, 4)
-    sched = Scheduler(
-        SchedulerConfig(max_model_len=40, max_num_seqs=4, max_num_batched_tokens=8), kv
+    config = EngineConfig(
+        block_size=4, num_kv_blocks=10, max_model_len=40, max_num_seqs=4, max_num_batched_tokens=8
     )
+    engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(VOCAB, 4096), token=1))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
     for i in range(6):
-        sched.add_request(Request(f"r{i}", [Sequence(sched.new_seq_id(), [i] * (3 + i), 3 + i)]))
+        engine.add_request(f"r{i}", [i + 1] * (3 + i), params)
+    finished = {}
     for _ in range(500):
-        if not sched.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
             break
-        out = sched.schedule()
-        sched.update_from_output(out)
-        for s in out.seqs:
-            if s.needs_logits:
-                req = sched.requests[s.request_id]
-                seq = req.seqs[0]
-                seq.token_ids.append(1)
-                if seq.num_output_tokens == 10:
-                    sched.finish_seq(req, seq)
-        check_invariants(sched)
-    assert not sched.has_unfinished_requests()
-    assert sched.num_preemptions > 0
-    assert kv.allocator.num_free_blocks == 10
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        check_invariants(engine.scheduler)
+    assert finished == {f"r{i}": [1] * 10 for i in range(6)}
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.allocator.num_free_blocks == 10
 
 
 def test_group_readmission_never_gives_a_hit_away() -> None:
@@ -182,11 +169,11 @@ def test_group_readmission_never_gives_a_hit_away() -> None:
     sched = Scheduler(
         SchedulerConfig(max_model_len=24, max_num_seqs=4, max_num_batched_tokens=64), kv
     )
-    s0 = Sequence(sched.new_seq_id(), [1, 2, 3, 4], 4)
+    s0 = Seq(sched.new_seq_id(), [1, 2, 3, 4], 4)
     req = Request("r", [s0], max_num_seqs=2)
     sched.add_request(req)
     sched.update_from_output(sched.schedule())
-    s1 = Sequence(sched.new_seq_id(), [1, 2, 3, 4], 4, index=1)
+    s1 = Seq(sched.new_seq_id(), [1, 2, 3, 4], 4, index=1)
     sched.fork(req, s0, s1)
     s0.token_ids.append(10)
     s1.token_ids.append(20)
@@ -196,7 +183,7 @@ def test_group_readmission_never_gives_a_hit_away() -> None:
         s1.token_ids.append(t1)
     assert kv.allocate_slots(999, 4)
     kv.cache_computed_blocks(999, [7, 7, 7, 7], 4)
-    sched._preempt(req)
+    sched.preempt(req)
     assert kv.allocate_slots(998, 8)  # another request takes the two uncached blocks
     kv.free(999)
     sched.schedule()
@@ -208,3 +195,28 @@ def test_group_readmission_never_gives_a_hit_away() -> None:
             if info is not None:
                 assert info.token_ids == tuple(seq.token_ids[i * 4 : (i + 1) * 4])
         assert all(kv.allocator.ref_count(b) == 1 for b in kv.table(seq.seq_id).blocks[1:])
+
+
+def test_the_engine_over_a_fake_runner_never_imports_torch() -> None:
+    """The bookkeeping path (engine, scheduler, blocks, fake runner) is plain Python."""
+    code = """
+import sys
+sys.modules["torch"] = None  # any `import torch` now fails
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.fake_runner import FakeModelRunner
+from pagedllm.worker.runner import ModelSpec
+engine = LLMEngine(
+    EngineConfig(num_kv_blocks=64), runner=FakeModelRunner(ModelSpec(100, 2048, (0,)), token=5)
+)
+engine.add_request("a", [1, 2, 3], SamplingParams(n=3, max_tokens=4))
+engine.add_request("b", [1, 2, 3], BeamSearchParams(beam_width=2, max_tokens=3))
+while engine.has_unfinished_requests():
+    engine.step()
+assert engine.kv.num_free_blocks == 64
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -19,7 +19,7 @@ import openai
 import pytest
 import uvicorn
 
-from conftest import make_tiny_model
+from hf_oracle import make_tiny_model
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM

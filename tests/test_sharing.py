@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_hf
+from hf_oracle import load_hf
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.loader import load_model

@@ -8,19 +8,10 @@ PagedAttention (fixed-size blocks, per-sequence block tables, sharing by referen
 
 from __future__ import annotations
 
-import logging
-
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = ["LLM", "BeamSearchParams", "LLMEngine", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
-
-_log = logging.getLogger("pagedllm")
-if not _log.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(levelname)s pagedllm: %(message)s"))
-    _log.addHandler(_handler)
-    _log.setLevel(logging.INFO)
 
 
 def __getattr__(name: str) -> object:

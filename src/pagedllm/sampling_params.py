@@ -1,7 +1,8 @@
 """SamplingParams and BeamSearchParams: how one request's tokens are chosen.
 
-Validated on creation: a bad value raises ValueError naming the field and its allowed
-range, the same message the server returns as HTTP 400. Plain Python (no torch).
+Validated on creation: a bad value raises InvalidParameterError (a ValueError) that
+carries the field's name and says its allowed range; the server returns it as HTTP 400.
+Plain Python (no torch).
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedllm.errors import InvalidParameterError
+
 MAX_LOGPROBS = 20
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise InvalidParameterError(name, f"{name} must be {allowed}, got {value!r}")
 
 
 def _is_int(x: object) -> bool:
@@ -45,6 +48,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
@@ -118,6 +123,17 @@ class SamplingParams:
             self.stop_token_ids,
         )
         object.__setattr__(self, "stop_token_ids", ids)
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            _check(
+                isinstance(bias, dict)
+                and all(_is_int(t) and t >= 0 for t in bias)
+                and all(_is_num(v) and -100 <= v <= 100 for v in bias.values()),
+                "logit_bias",
+                "a map of token ids >= 0 to values in [-100, 100]",
+                bias,
+            )
+            object.__setattr__(self, "logit_bias", dict(bias) or None)
 
     @property
     def num_seqs(self) -> int:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.bench.workload import WORKLOADS, BenchRequest, WorkloadSpec, make_workload
-from pagedllm.engine.config import KV_RESERVATIONS, parse_size
+from pagedllm.core.reservation import RESERVATION_POLICIES as KV_RESERVATIONS
+from pagedllm.engine.config import parse_size
 from pagedllm.loader import LoadedModel, load_model
 
 DEFAULT_KV_TOKENS = 4224
@@ -120,7 +121,7 @@ def get_loaded(path: str | None) -> LoadedModel:
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     c = loaded.config
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # fp32
+    return c.kv_bytes_per_token(4)  # fp32
 
 
 def settings_from(

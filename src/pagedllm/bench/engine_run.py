@@ -42,7 +42,7 @@ class AttentionTimer:
 
     def install(self, engine: LLMEngine) -> bool:
         """False when the model exposes no per-layer `attention` to wrap."""
-        layers = getattr(engine.model, "layers", None)
+        layers = getattr(engine.runner.model, "layers", None)
         if not layers or not all(hasattr(layer, "attention") for layer in layers):
             return False
         for layer in layers:

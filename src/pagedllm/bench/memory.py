@@ -22,7 +22,7 @@ from pagedllm.bench.common import (
 from pagedllm.bench.output import add_ratios, write_outputs
 from pagedllm.bench.simulate import simulate
 from pagedllm.bench.throughput import policy_list
-from pagedllm.engine.config import KV_RESERVATIONS
+from pagedllm.core.reservation import RESERVATION_POLICIES as KV_RESERVATIONS
 
 COLUMNS = [
     ("system", "policy"),

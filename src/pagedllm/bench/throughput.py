@@ -22,7 +22,7 @@ from pagedllm.bench.engine_run import run_engine
 from pagedllm.bench.hf_backend import run_hf
 from pagedllm.bench.llamacpp_backend import run_llama_cpp
 from pagedllm.bench.output import add_ratios, write_outputs
-from pagedllm.engine.config import KV_RESERVATIONS
+from pagedllm.core.reservation import RESERVATION_POLICIES as KV_RESERVATIONS
 
 BACKENDS = ("hf", "llama-cpp")
 COLUMNS = [

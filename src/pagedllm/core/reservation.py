@@ -10,6 +10,18 @@ front: `reserve-max` the whole `max_model_len` (FasterTransformer, Orca-Max),
 
 from __future__ import annotations
 
+from pagedllm.errors import InvalidParameterError
+
+RESERVATION_POLICIES = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
+
+
+def check_policy(policy: str) -> None:
+    if policy not in RESERVATION_POLICIES:
+        raise InvalidParameterError(
+            "kv_reservation",
+            f"kv_reservation must be one of {', '.join(RESERVATION_POLICIES)}; got {policy!r}",
+        )
+
 
 def reserve_tokens(policy: str, prompt_len: int, max_new_tokens: int, max_model_len: int) -> int:
     final = prompt_len + max_new_tokens
@@ -19,9 +31,5 @@ def reserve_tokens(policy: str, prompt_len: int, max_new_tokens: int, max_model_
         return max_model_len
     if policy == "reserve-pow2":
         return min(1 << (final - 1).bit_length(), max_model_len)
-    if policy == "reserve-oracle":
-        return min(final, max_model_len)
-    raise ValueError(
-        f"kv_reservation must be one of paged, reserve-max, reserve-pow2, reserve-oracle; "
-        f"got {policy!r}"
-    )
+    check_policy(policy)
+    return min(final, max_model_len)  # reserve-oracle

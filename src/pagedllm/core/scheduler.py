@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagedllm.core.sequence import Request, RequestStatus, Sequence
+from pagedllm.errors import CONTEXT_LENGTH_EXCEEDED, KV_CACHE_EXCEEDED, InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager
 
 
@@ -53,6 +54,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # request id -> tokens per sequence this step
     blocks_to_copy: tuple[tuple[int, int], ...]  # copy-on-write (source, destination)
     preempted: tuple[str, ...]
+    finished_seq_ids: tuple[int, ...] = ()  # sequences gone since the previous step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -72,6 +74,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._running_seq_slots = 0
         self._seq_ids = itertools.count()
+        self._finished_seq_ids: list[int] = []
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -81,37 +84,59 @@ class Scheduler:
         return next(self._seq_ids)
 
     def check_fits(
-        self, num_tokens: int, max_new_tokens: int, num_seqs: int = 1, reserve_tokens: int = 0
+        self,
+        num_tokens: int,
+        max_new_tokens: int,
+        num_seqs: int = 1,
+        reserve_tokens: int = 0,
+        num_seqs_param: str = "n",
     ) -> None:
-        """Raise ValueError if such a request could never run, even alone."""
+        """Raise InvalidParameterError if such a request could never run, even alone.
+
+        The error names what to change: `num_seqs_param` (the parameter that asked for
+        `num_seqs` sequences) when one sequence would fit, else `max_tokens` when the
+        prompt leaves room for it, else `prompt`."""
         total = num_tokens + max_new_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(
+        limit = self.config.max_model_len
+        if total > limit:
+            raise InvalidParameterError(
+                "prompt" if num_tokens >= limit else "max_tokens",
                 f"prompt ({num_tokens} tokens) + max_tokens ({max_new_tokens}) = {total} "
-                f"exceeds max_model_len ({self.config.max_model_len})"
+                f"exceeds max_model_len ({limit})",
+                CONTEXT_LENGTH_EXCEEDED,
             )
-        if num_seqs > self.config.max_num_seqs:
-            raise ValueError(
-                f"the request needs {num_seqs} sequences; max_num_seqs is "
-                f"{self.config.max_num_seqs}"
-            )
-        if num_seqs > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"the request needs {num_seqs} sequences; max_num_batched_tokens is "
-                f"{self.config.max_num_batched_tokens}, too few to decode them together"
-            )
+        for limit_name, seq_limit in (
+            ("max_num_seqs", self.config.max_num_seqs),
+            ("max_num_batched_tokens", self.config.max_num_batched_tokens),
+        ):
+            if num_seqs > seq_limit:
+                raise InvalidParameterError(
+                    num_seqs_param,
+                    f"{num_seqs_param} must be at most {seq_limit} ({limit_name} of this "
+                    f"engine), got {num_seqs}",
+                )
         # Recomputation after preemption loses sharing: bound without it.
-        needed = num_seqs * self.kv.blocks_for_tokens(max(total, reserve_tokens))
         usable = self.kv.num_blocks - self.kv.watermark_blocks
+        needed = num_seqs * self.kv.blocks_for_tokens(max(total, reserve_tokens))
         if needed > usable:
-            raise ValueError(
+            if needed // num_seqs <= usable:
+                param = num_seqs_param  # one sequence would fit
+            elif self.kv.blocks_for_tokens(max(num_tokens + 1, reserve_tokens)) <= usable:
+                param = "max_tokens"
+            else:
+                param = "prompt"
+            raise InvalidParameterError(
+                param,
                 f"the request needs up to {needed} KV blocks ({num_seqs} x {total} tokens); "
-                f"the pool has {usable} usable blocks of {self.kv.block_size} tokens"
+                f"the pool has {usable} usable blocks of {self.kv.block_size} tokens",
+                KV_CACHE_EXCEEDED,
             )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise InvalidParameterError(
+                "request_id", f"request id {request.request_id!r} is already in use"
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -128,6 +153,7 @@ class Scheduler:
             self.waiting.remove(req)
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
+            self._finished_seq_ids.append(seq.seq_id)
         req.status = RequestStatus.FINISHED
         return req
 
@@ -140,6 +166,7 @@ class Scheduler:
         """A sequence is done: free its blocks; the request ends with its last one.
         `keep=False` forgets it (a pruned beam) instead of keeping it for the output."""
         self.kv.free(seq.seq_id)
+        self._finished_seq_ids.append(seq.seq_id)
         req.seqs.remove(seq)
         if keep:
             req.finished_seqs.append(seq)
@@ -180,7 +207,7 @@ class Scheduler:
                 continue
             while not self._allocate(req, req.num_computed_tokens + chunk):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim.request_id)
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id) * len(victim.seqs)
@@ -221,11 +248,13 @@ class Scheduler:
                         needs_logits=end == req.num_tokens,
                     )
                 )
+        finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
         return SchedulerOutput(
             seqs=tuple(seqs),
             num_scheduled_tokens=scheduled,
             blocks_to_copy=tuple(self.kv.take_copies()),
             preempted=tuple(preempted),
+            finished_seq_ids=finished,
         )
 
     def update_from_output(self, output: SchedulerOutput) -> None:
@@ -267,7 +296,9 @@ class Scheduler:
             self.prefix_hit_tokens += num_cached
         return chunk
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request) -> None:
+        """Take a running request's blocks back; it waits at the front of the queue and is
+        recomputed (keeping its generated tokens) when readmitted."""
         self.running.remove(req)
         self._running_seq_slots -= req.max_num_seqs
         for seq in req.seqs:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -28,12 +29,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    # Incremental detokenisation state (engine/detokenizer.py).
-    output_text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
-    # Sampling state private to the worker (e.g. a seeded generator's key).
-    sampler_state: Any = None
+    output_text: str = ""  # detokenised output, cut at a stop string
 
     @property
     def num_tokens(self) -> int:
@@ -54,8 +50,7 @@ class Request:
     seqs: list[Sequence]
     max_num_seqs: int = 1  # sequences it may grow to (n, best_of or the beam width)
     reserve_tokens: int = 0  # tokens reserved at admission (contiguous baselines only)
-    params: Any = None  # SamplingParams or BeamSearchParams, for the engine
-    beam: Any = None  # the engine's beam-search state, for beam-search requests
+    params: SamplingParams | BeamSearchParams = field(default_factory=SamplingParams)
     arrival_time: float = 0.0
     prompt: str | None = None
     first_token_time: float | None = None

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.errors import StepFailedError
 from pagedllm.kv.manager import KVUsage
 from pagedllm.sampling_params import SamplingParams
 
@@ -234,10 +235,13 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.exception("engine step failed; failing the requests in that step")
-            in_step = list(self.engine.last_scheduled_request_ids)
-            error = RequestFailedError(f"the engine failed: {type(exc).__name__}: {exc}")
-            for request_id in in_step:
+            # A failed step fails the requests it ran; anything else (a bug outside the
+            # step's work) fails every request, since none can be trusted to go on.
+            failed = exc.request_ids if isinstance(exc, StepFailedError) else None
+            logger.exception("engine step failed; failing %s", "its requests" if failed else "all")
+            error = RequestFailedError(f"the engine failed: {exc}")
+            everyone = {*self._streams, *self.engine.scheduler.requests}
+            for request_id in failed if failed is not None else everyone:
                 self._fail(request_id, error)
             return
         self.num_steps += 1

@@ -1,7 +1,8 @@
 """EngineConfig: every engine option in one frozen, validated dataclass.
 
 Sizes of the KV pool may be given in blocks (`num_kv_blocks`) or in bytes
-(`kv_cache_memory`, an int or a string such as "256MiB").
+(`kv_cache_memory`, an int or a string such as "256MiB"). A bad value raises
+InvalidParameterError naming the option.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KV_RESERVATIONS = ("paged", "reserve-max", "reserve-pow2", "reserve-oracle")
+from pagedllm.core.reservation import check_policy
+from pagedllm.errors import InvalidParameterError
+from pagedllm.kv.block_table import check_block_size
+
 DTYPES = ("float32", "bfloat16", "float16")
 _UNITS = {
     "": 1,
@@ -23,16 +27,22 @@ _UNITS = {
 }
 
 
-def parse_size(value: int | str) -> int:
+def parse_size(value: int | str, param: str = "kv_cache_memory") -> int:
     """Bytes from an int or a string like "256MiB", "1.5GB", "1048576"."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(
-            f"kv_cache_memory must be a byte count like '256MiB' or '2GB', got {value!r}"
+        raise InvalidParameterError(
+            param, f"{param} must be a byte count like '256MiB' or '2GB', got {value!r}"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _at_least(config: EngineConfig, name: str, low: int) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidParameterError(name, f"{name} must be an integer >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -52,26 +62,22 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.block_size <= 256:
-            raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
+        check_block_size(self.block_size)
         if parse_size(self.kv_cache_memory) <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            raise InvalidParameterError(
+                "kv_cache_memory", f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}"
             )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _at_least(self, name, 1)
+        for name in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                _at_least(self, name, 1)
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_reservation not in KV_RESERVATIONS:
-            raise ValueError(
-                f"kv_reservation must be one of {', '.join(KV_RESERVATIONS)}, "
-                f"got {self.kv_reservation!r}"
+            raise InvalidParameterError(
+                "dtype", f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
             )
+        check_policy(self.kv_reservation)
         if not 0 <= self.watermark < 1:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+            raise InvalidParameterError(
+                "watermark", f"watermark must be in [0, 1), got {self.watermark}"
+            )

@@ -11,7 +11,8 @@ from collections.abc import Set
 from typing import Any
 
 from pagedllm.core.sequence import Request, Sequence
-from pagedllm.engine.detokenizer import detokenize_incrementally
+from pagedllm.engine.beam_search import BeamState
+from pagedllm.engine.detokenizer import DetokenizerState, detokenize_incrementally
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -21,13 +22,27 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self._detok: dict[int, DetokenizerState] = {}  # by sequence id, while it runs
 
     def check_stop(self, params: SamplingParams, seq: Sequence) -> None:
         """Detokenise the newest token and set `seq.finish_reason` if the sequence ends."""
+        self._check_stop(params, seq)
+        if seq.finish_reason is not None:
+            self._detok.pop(seq.seq_id, None)
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """Drop the state of sequences that ended without `check_stop` (aborts)."""
+        for seq in seqs:
+            self._detok.pop(seq.seq_id, None)
+
+    def _check_stop(self, params: SamplingParams, seq: Sequence) -> None:
         token = seq.token_ids[-1]
         delta = ""
         if self.tokenizer is not None:
-            delta = detokenize_incrementally(self.tokenizer, seq, params.skip_special_tokens)
+            state = self._detok.get(seq.seq_id)
+            if state is None:
+                state = self._detok[seq.seq_id] = DetokenizerState.start(seq)
+            delta = detokenize_incrementally(self.tokenizer, seq, state, params.skip_special_tokens)
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
@@ -42,10 +57,12 @@ class OutputProcessor:
         ):
             seq.finish_reason = "length"
 
-    def make_output(self, req: Request, finished: bool, now: float) -> RequestOutput:
+    def make_output(
+        self, req: Request, finished: bool, now: float, beam: BeamState | None = None
+    ) -> RequestOutput:
         completions = (
-            self._beam_completions(req, finished)
-            if req.beam is not None
+            self._beam_completions(req, beam, finished)
+            if beam is not None
             else self._sampled_completions(req, finished)
         )
         return RequestOutput(
@@ -63,7 +80,8 @@ class OutputProcessor:
 
     @staticmethod
     def _sampled_completions(req: Request, finished: bool) -> list[CompletionOutput]:
-        params: SamplingParams = req.params
+        params = req.params
+        assert isinstance(params, SamplingParams)
         seqs = req.finished_seqs + req.seqs
         if finished and params.best_of is not None and params.best_of > params.n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
@@ -82,11 +100,13 @@ class OutputProcessor:
             for i, s in enumerate(seqs)
         ]
 
-    def _beam_completions(self, req: Request, finished: bool) -> list[CompletionOutput]:
+    def _beam_completions(
+        self, req: Request, beam: BeamState, finished: bool
+    ) -> list[CompletionOutput]:
         """The finished hypotheses, best first, once the search is over."""
         completions = []
-        for i, h in enumerate(req.beam.finished if finished else []):
-            ended_by_eos = not req.params.ignore_eos and h.token_ids[-1] in self.eos_token_ids
+        for i, h in enumerate(beam.finished if finished else []):
+            ended_by_eos = not beam.params.ignore_eos and h.token_ids[-1] in self.eos_token_ids
             text = ""
             if self.tokenizer is not None:
                 text = self.tokenizer.decode(list(h.token_ids), skip_special_tokens=True)

@@ -7,60 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagedllm.engine.config import KV_RESERVATIONS
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that builds an engine."""
-    p.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1..256)")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 256MiB")
-    p.add_argument(
-        "--num-kv-blocks",
-        type=positive_int,
-        default=None,
-        help="KV pool size in blocks (overrides --kv-cache-memory)",
-    )
-    p.add_argument("--max-num-seqs", type=positive_int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    p.add_argument("--max-model-len", type=positive_int, default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-reservation", default="paged", choices=KV_RESERVATIONS)
-    p.add_argument("--engine-seed", type=int, default=0, help="seed of unseeded sampling")
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        device=args.device,
-        enable_prefix_caching=not args.no_prefix_caching,
-        kv_reservation=args.kv_reservation,
-        seed=args.engine_seed,
-    )
+from pagedllm.bench.cli import add_bench_parser
+from pagedllm.entrypoints.engine_args import add_engine_args, engine_options
+from pagedllm.entrypoints.server.serve_cli import add_serve_parser
 
 
 def _add_generate(sub: Any) -> None:
@@ -119,7 +74,7 @@ def run_generate(args: argparse.Namespace) -> int:
         n=args.n,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, **engine_options(args))
+    llm = LLM(**engine_options(args))
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
         prompts = [
@@ -176,16 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    from pagedllm.entrypoints.server.serve_cli import add_serve_parser  # imports this module
-
     add_serve_parser(sub)
-    from pagedllm.bench.cli import add_bench_parser
-
     add_bench_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _log_to_stderr()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -195,6 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _log_to_stderr() -> None:
+    """The engine's log lines (the KV pool at start, ...) on stderr; a library import
+    leaves logging to the application."""
+    log = logging.getLogger("pagedllm")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s pagedllm: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

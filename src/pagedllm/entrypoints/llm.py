@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.prompts import encode_chat
+from pagedllm.errors import InvalidParameterError
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -53,8 +55,9 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+                raise InvalidParameterError(
+                    "sampling_params",
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts",
                 )
         ids = []
         try:
@@ -93,13 +96,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return encode_chat(self.engine.tokenizer, messages, add_generation_prompt)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
@@ -137,5 +134,5 @@ def _prompt_of(prompt: PromptInput) -> str | list[int]:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return str(prompt["prompt"])
-        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-    return [int(t) for t in prompt]
+        raise InvalidParameterError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return list(prompt)

@@ -7,7 +7,22 @@ other tables share copies it first (copy-on-write).
 
 from __future__ import annotations
 
+from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.allocator import BlockAllocator, NoFreeBlocksError
+
+MAX_BLOCK_SIZE = 256
+
+
+def check_block_size(block_size: int) -> None:
+    """The one rule for block sizes, shared by the engine, its CLI and the benches."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise InvalidParameterError(
+            "block_size", f"block_size must be an integer, got {block_size!r}"
+        )
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise InvalidParameterError(
+            "block_size", f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}"
+        )
 
 
 class BlockTable:

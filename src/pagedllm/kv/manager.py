@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.kv.allocator import BlockAllocator
-from pagedllm.kv.block_table import BlockTable
+from pagedllm.kv.block_table import BlockTable, check_block_size
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         watermark_blocks: int = 0,
     ) -> None:
-        if not 1 <= block_size <= 1024:
-            raise ValueError(f"block_size must be in [1, 1024], got {block_size}")
+        check_block_size(block_size)
         if not 0 <= watermark_blocks < num_blocks:
             raise ValueError(
                 f"watermark_blocks must be in [0, {num_blocks - 1}], got {watermark_blocks}"

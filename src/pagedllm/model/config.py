@@ -74,10 +74,9 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token across all layers, at 4 bytes per element."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Bytes of K and V for one token across all layers, at `element_size` bytes each."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -12,18 +12,6 @@ import torch
 from pagedllm.model.config import ModelConfig
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return (
-        2
-        * config.num_hidden_layers
-        * block_size
-        * config.num_key_value_heads
-        * config.head_dim
-        * elem
-    )
-
-
 class PagedKVCache:
     def __init__(
         self,
@@ -35,7 +23,7 @@ class PagedKVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.bytes_per_block = bytes_per_block(config, block_size, dtype)
+        self.bytes_per_block = block_size * config.kv_bytes_per_token(dtype.itemsize)
         # zeros() maps pages lazily, so an unused pool costs no resident memory.
         self.data = torch.zeros(
             config.num_hidden_layers,

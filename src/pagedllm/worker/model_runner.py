@@ -1,31 +1,69 @@
-"""ModelRunner: turns the scheduler's plain-data step into tensors and runs the model.
+"""TorchModelRunner: the real model runner, one model on one device.
 
-It does the step's copy-on-write block copies, builds the flat token batch and its
-AttentionMetadata, runs the forward, and returns logits for the rows that need them.
+Each step it does the copy-on-write block copies, builds the flat token batch and its
+AttentionMetadata, runs the forward, and samples the rows that need a token. It owns
+every tensor of the engine: weights, the paged KV pool, the sampler and the random
+generators of seeded samples (keyed by sequence id, dropped when the sequence ends).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.loader import LoadedModel
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.worker.kv_cache import PagedKVCache
+from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
+from pagedllm.worker.sampler import Sampler
 
 
-class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
-        self.model = model
-        self.kv_cache = kv_cache
-        self.device = kv_cache.data.device
+class TorchModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, dtype: str = "float32", device: str = "cpu", seed: int = 0
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype: torch.dtype = getattr(torch, dtype)
+        self.model_config = loaded.config
+        model = LlamaForCausalLM(loaded.config)
+        model.load_weights(loaded.weights)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.spec = ModelSpec(
+            vocab_size=loaded.config.vocab_size,
+            max_position_embeddings=loaded.config.max_position_embeddings,
+            eos_token_ids=loaded.config.eos_token_ids,
+        )
+        self.kv_cache: PagedKVCache | None = None
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        self._generators: dict[int, torch.Generator] = {}
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.kv_cache = PagedKVCache(
+            self.model_config, num_blocks, block_size, dtype=self.dtype, device=self.device
+        )
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> torch.Tensor:
+    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+        for seq_id in step.finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        logits = self.forward(step)
+        if not rows:
+            return SampledTokens([], [], [], [])
+        return self.sampler(logits, rows, [self._generator(r) for r in rows])
+
+    def forward(self, step: SchedulerOutput) -> torch.Tensor:
         """Logits [rows, vocab] for the scheduled sequences with `needs_logits`, in order."""
-        self.kv_cache.copy_blocks(step.blocks_to_copy)
+        cache = self.kv_cache
+        if cache is None:
+            raise RuntimeError("init_kv_cache must run before the first step")
+        cache.copy_blocks(step.blocks_to_copy)
         seqs = step.seqs
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.long
@@ -35,9 +73,21 @@ class ModelRunner:
             query_lens=[len(s.token_ids) for s in seqs],
             block_tables=[s.block_table for s in seqs],
             logits_seq_indices=[i for i, s in enumerate(seqs) if s.needs_logits],
-            block_size=self.kv_cache.block_size,
+            block_size=cache.block_size,
             device=self.device,
-            dtype=self.kv_cache.data.dtype,
+            dtype=cache.data.dtype,
         )
-        hidden = self.model(input_ids, meta.positions, self.kv_cache.layers, meta)
+        hidden = self.model(input_ids, meta.positions, cache.layers, meta)
         return self.model.compute_logits(hidden[meta.logits_indices])
+
+    def shutdown(self) -> None:
+        self._generators.clear()
+
+    def _generator(self, row: SampleRow) -> torch.Generator | None:
+        if row.seed is None:
+            return None
+        gen = self._generators.get(row.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(row.seed)
+            self._generators[row.seq_id] = gen
+        return gen

@@ -1,6 +1,6 @@
 """Sampler: chooses each sample's next token from logits, vectorised over the batch.
 
-Applies, in order: min_tokens suppression, repetition/frequency/presence penalties,
+Applies, in order: min_tokens suppression, logit bias, repetition/frequency/presence penalties,
 temperature, top-k, top-p and min-p; then samples with the exponential-race trick
 (argmax of probs / Exp(1) noise), whose noise comes from the sample's own generator when
 the request has a seed, so a seeded request draws the same tokens whatever else is in
@@ -10,32 +10,11 @@ distribution, as vLLM reports them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
-from pagedllm.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class SampleRow:
-    """One token to draw: from logits row `logits_row`, with these parameters."""
-
-    logits_row: int
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    prompt_ids: tuple[int, ...] | list[int] = ()  # read only when penalties are set
-    output_ids: tuple[int, ...] | list[int] = ()
-    suppressed_ids: tuple[int, ...] = ()  # EOS and stop ids while under min_tokens
-    num_logprobs: int = 0
-
-
-@dataclass(frozen=True)
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[float]  # of each chosen token
-    top_ids: list[list[int]]  # per row, the num_logprobs most likely tokens
-    top_logprobs: list[list[float]]
+from pagedllm.worker.runner import SampledTokens, SampleRow
 
 
 def _pad_ids(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +63,15 @@ class Sampler:
         self.generator = generator
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SampleRow],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SampledTokens:
+        """Draw one token per row; `generators[i]` (if any) supplies row i's noise."""
+        rows = list(rows)
+        gens = list(generators) if generators is not None else [None] * len(rows)
         device = logits.device
         index = torch.tensor([r.logits_row for r in rows], device=device)
         logits = logits.index_select(0, index).float()
@@ -93,13 +80,19 @@ class Sampler:
         if suppressed:
             ri, ti = zip(*suppressed, strict=True)
             logits[list(ri), list(ti)] = float("-inf")
+        biased = [
+            (i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
+        ]
+        if biased:
+            bi, bt, bv = zip(*biased, strict=True)
+            logits[list(bi), list(bt)] += torch.tensor(bv, dtype=logits.dtype, device=device)
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits, rows)
 
         tokens = logits.argmax(dim=-1)
         greedy = [r.params.greedy for r in rows]
         if not all(greedy):
-            sampled = self._sample(logits, rows)
+            sampled = self._sample(logits, rows, gens)
             tokens = torch.where(torch.tensor(greedy, device=device), tokens, sampled)
 
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
@@ -109,14 +102,19 @@ class Sampler:
             top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
         else:
             top_ids_l = top_lp_l = [[] for _ in rows]
-        return SamplerOutput(
+        return SampledTokens(
             token_ids=tokens.tolist(),
             logprobs=chosen.tolist(),
             top_ids=[ids[: r.num_logprobs] for ids, r in zip(top_ids_l, rows, strict=True)],
             top_logprobs=[lp[: r.num_logprobs] for lp, r in zip(top_lp_l, rows, strict=True)],
         )
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
         device = logits.device
         vocab = logits.shape[1]
         temps = torch.tensor(
@@ -137,13 +135,13 @@ class Sampler:
             floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
             idx = torch.tensor(unseeded, device=device)
             noise[idx] = torch.empty((len(unseeded), vocab), device=device).exponential_(
                 generator=self.generator
             )
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)

@@ -7,16 +7,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
-from pagedllm.entrypoints.cli import add_engine_args, engine_options, positive_int
+from pagedllm.entrypoints.engine_args import add_engine_args, engine_config
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
@@ -37,13 +41,13 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-waiting",
-        type=_non_negative,
+        type=_int_at_least(0),
         default=None,
         help="refuse new requests with 503 while this many are waiting",
     )
     p.add_argument(
         "--max-request-bytes",
-        type=positive_int,
+        type=_int_at_least(1),
         default=1 << 20,
         help="largest request body accepted (413 beyond; default 1 MiB)",
     )
@@ -58,12 +62,11 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pagedllm.engine.config import EngineConfig
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.server.app import create_app
 
     logging.getLogger("pagedllm").setLevel(args.log_level.upper())
-    engine = LLMEngine(EngineConfig(model=args.model, **engine_options(args)))
+    engine = LLMEngine(engine_config(args))
     app = create_app(
         engine,
         served_model_name=args.served_model_name,

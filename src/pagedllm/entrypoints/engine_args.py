@@ -1,0 +1,95 @@
+"""The engine's command-line options: one builder shared by `generate`, `serve` and the
+benches.
+
+Every EngineConfig field has exactly one option here, and its default comes from
+EngineConfig itself, so the command line and the Python API cannot drift apart. A command
+may start from other defaults (`add_engine_args(parser, enable_prefix_caching=False)`);
+values are validated by EngineConfig, whose errors name the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.core.reservation import RESERVATION_POLICIES
+from pagedllm.engine.config import DTYPES, EngineConfig
+from pagedllm.kv.block_table import MAX_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class _Option:
+    field: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    flag: str | None = None  # default: --field-name
+    switch_off: bool = False  # a `--no-...` flag for a boolean that defaults to on
+
+    @property
+    def dest(self) -> str:
+        # The engine's seed stays apart from a command's own --seed (a request's seed).
+        return "engine_seed" if self.field == "seed" else self.field
+
+
+OPTIONS = (
+    _Option("model", "a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)"),
+    _Option("block_size", f"tokens per KV block (1..{MAX_BLOCK_SIZE})", int),
+    _Option("kv_cache_memory", "KV pool size, e.g. 256MiB or 2GB"),
+    _Option("num_kv_blocks", "KV pool size in blocks (overrides --kv-cache-memory)", int),
+    _Option("max_num_seqs", "most sequences running at once", int),
+    _Option("max_num_batched_tokens", "most tokens computed in one step", int),
+    _Option("max_model_len", "context limit (default: the model's, capped by the pool)", int),
+    _Option("dtype", "dtype of weights and activations", choices=DTYPES),
+    _Option("device", "torch device: cpu, cuda, cuda:1, ..."),
+    _Option(
+        "enable_prefix_caching",
+        "do not reuse the KV blocks of shared prompt prefixes",
+        flag="--no-prefix-caching",
+        switch_off=True,
+    ),
+    _Option(
+        "kv_reservation",
+        "paged allocates blocks on demand; the others reserve up front (baselines)",
+        choices=RESERVATION_POLICIES,
+    ),
+    _Option("watermark", "fraction of blocks kept free when admitting requests", float),
+    _Option("seed", "seed of the sampling of unseeded requests", int, flag="--engine-seed"),
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add every engine option to `parser`; `defaults` overrides EngineConfig's."""
+    base = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    unknown = set(defaults) - set(base)
+    if unknown:
+        raise ValueError(f"not engine options: {sorted(unknown)}")
+    group = parser.add_argument_group("engine")
+    for opt in OPTIONS:
+        default = defaults.get(opt.field, base[opt.field])
+        flag = opt.flag or "--" + opt.field.replace("_", "-")
+        if opt.switch_off:
+            group.add_argument(flag, dest=opt.dest, action="store_false", help=opt.help)
+            parser.set_defaults(**{opt.dest: default})
+            continue
+        shown = "" if default is None else f" (default: {default})"
+        group.add_argument(
+            flag,
+            dest=opt.dest,
+            type=opt.type,
+            choices=opt.choices,
+            default=default,
+            help=opt.help + shown,
+        )
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of parsed arguments, as EngineConfig keywords."""
+    return {opt.field: getattr(args, opt.dest) for opt in OPTIONS}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**engine_options(args))

@@ -1,0 +1,69 @@
+"""The model-runner interface: what the engine asks of whatever runs the model.
+
+Each step the engine hands a runner plain data (the scheduler's output, and one
+`SampleRow` per token to draw) and gets the drawn tokens back; it never touches a tensor.
+Behind this one interface sit the real runner (`TorchModelRunner`), `FakeModelRunner`
+for bookkeeping simulations and property tests, and any runner that splits the model
+across devices. Plain Python: importing it needs no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know of a model to schedule it."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One token to draw for sequence `seq_id`, from logits row `logits_row` (the rows
+    follow the scheduled sequences that need logits, in order)."""
+
+    logits_row: int
+    seq_id: int
+    params: SamplingParams
+    seed: int | None = None  # the sample's own seed: its draws do not depend on the batch
+    prompt_ids: tuple[int, ...] | list[int] = ()  # read only when penalties are set
+    output_ids: tuple[int, ...] | list[int] = ()
+    suppressed_ids: tuple[int, ...] = ()  # EOS and stop ids while under min_tokens
+    num_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token, under the model's raw distribution
+    top_ids: list[list[int]]  # per row, the num_logprobs most likely tokens
+    top_logprobs: list[list[float]]
+
+
+class ModelRunner(Protocol):
+    spec: ModelSpec
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block of `block_size` tokens takes on this runner."""
+        ...
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the KV pool, once, before the first step."""
+        ...
+
+    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+        """Run the step's forward pass (copy-on-write copies first) and draw `rows`."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what the runner holds (processes, devices)."""
+        ...
