@@ -15,9 +15,11 @@ from pagedllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineOverloadedError,
     RequestFailedError,
+    RequestStream,
 )
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 
@@ -49,6 +51,11 @@ async def run_to_end(
         final = out
     assert final is not None and final.finished
     return final.outputs[0].token_ids
+
+
+async def last(stream: RequestStream) -> RequestOutput:
+    outs = [out async for out in stream]
+    return outs[-1]
 
 
 async def used_blocks(engine: AsyncLLMEngine) -> int:
@@ -182,19 +189,59 @@ def test_leaving_a_stream_early_aborts_it(make_engine) -> None:
     assert not engine.engine.has_unfinished_requests()
 
 
-def test_max_waiting_refuses_requests_beyond_the_queue(make_engine) -> None:
-    engine = make_engine(max_waiting=1)
+def test_max_waiting_bounds_only_the_requests_beyond_what_can_be_admitted(make_engine) -> None:
+    engine = make_engine(max_waiting=1, max_num_seqs=2)
     engine.pause()  # nothing is scheduled: requests stay waiting
 
-    async def main() -> list[int]:
-        first = await engine.add_request("first", PROMPTS[0], GREEDY)
+    async def main() -> tuple[list[list[int]], int]:
+        # Two sequence slots: two waiting requests could be admitted now, so they are not
+        # a backlog; the third is the one request max_waiting=1 allows beyond them.
+        streams = [await engine.add_request(f"r{i}", PROMPTS[0], GREEDY) for i in range(3)]
+        assert await engine.call(engine.backlog) == 1
         with pytest.raises(EngineOverloadedError, match="max_waiting=1"):
-            await engine.add_request("second", PROMPTS[1], GREEDY)
+            await engine.add_request("refused", PROMPTS[1], GREEDY)
         engine.resume()
-        final = [out async for out in first][-1]
-        return final.outputs[0].token_ids
+        finals = [(await last(s)).outputs[0].token_ids for s in streams]
+        return finals, await used_blocks(engine)
 
-    assert len(asyncio.run(main())) == 12
+    finals, used = asyncio.run(main())
+    assert [len(ids) for ids in finals] == [12, 12, 12] and used == 0
+
+
+def test_requests_added_together_share_one_stream(make_engine) -> None:
+    engine = make_engine()
+
+    async def main() -> tuple[dict[str, list[int]], list[int], int]:
+        stream = await engine.add_requests([(f"g{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+        finals = {}
+        async for out in stream:
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+        alone = await run_to_end(engine, "alone", PROMPTS[2])
+        return finals, alone, await used_blocks(engine)
+
+    finals, alone, used = asyncio.run(main())
+    assert sorted(finals) == ["g0", "g1", "g2"] and finals["g2"] == alone
+    assert used == 0
+
+
+def test_a_group_is_added_all_or_none_and_aborted_together(make_engine) -> None:
+    engine = make_engine()
+
+    async def main() -> tuple[bool, int]:
+        with pytest.raises(ValueError, match="max_model_len"):  # the second cannot fit
+            await engine.add_requests([("a", PROMPTS[0], LONG), ("b", [1] * 600, LONG)])
+        none_left = not await engine.call(engine.engine.has_unfinished_requests)
+        group = [("c", PROMPTS[0], LONG), ("d", PROMPTS[2], LONG)]
+        async with await engine.add_requests(group) as stream:
+            async for out in stream:
+                if len(out.outputs[0].token_ids) == 2:
+                    break  # leaving the block early aborts both
+        return none_left, await used_blocks(engine)
+
+    none_left, used = asyncio.run(main())
+    assert none_left and used == 0
+    assert not engine.engine.has_unfinished_requests()
 
 
 def test_bad_request_raises_value_error(make_engine) -> None:

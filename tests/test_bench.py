@@ -1,5 +1,6 @@
 """`pagedllm bench`: every subcommand's outputs (JSON keys, files written) on a tiny random
-model, run once through `bench report --quick`; plus the benches' pure helpers.
+model, run once through `bench report --quick`; the bookkeeping run through the engine's own
+step; the serve bench against a live server; the benches' pure helpers.
 No test asserts a timing."""
 
 from __future__ import annotations
@@ -9,13 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench.claims import claims_rows
-from pagedllm.bench.common import BenchSettings
-from pagedllm.bench.hf_backend import pack_static_batches, padded_utilization
-from pagedllm.bench.latency import latency_stats
-from pagedllm.bench.simulate import simulate
+from pagedllm.bench.baselines import pack_static_batches, padded_utilization
+from pagedllm.bench.output import distribution
+from pagedllm.bench.report import claims_rows
+from pagedllm.bench.sweep import run_workload
+from pagedllm.bench.sweep_benches import latency_stats
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, make_workload
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.cli import main
+from pagedllm.worker.fake_runner import FakeModelRunner
+from pagedllm.worker.runner import ModelSpec
 
 BENCHES = ("memory", "throughput", "latency", "block-size", "attention")
 COMMON_KEYS = {
@@ -123,7 +128,8 @@ def test_latency_block_size_and_attention_keys(report: Path) -> None:
 def test_report_page(report: Path) -> None:
     page = (report / "benchmarks.md").read_text()
     assert page.startswith("# Benchmarks")
-    assert "| claim | seed says | measured here | target | verdict | command |" in page
+    assert "| claim | the vLLM paper says | measured here | our goal | verdict | command |" in page
+    assert "the seed" not in page.lower() and "issue" not in page
     for bench in BENCHES:
         assert f"## {bench}" in page
 
@@ -146,15 +152,43 @@ def test_bad_arguments_exit_2(tiny_llama_dir: Path, tmp_path: Path) -> None:
         main(["bench", "throughput", "--policies", "reserve-some"])
 
 
-def test_simulate_bookkeeping() -> None:
+def test_bookkeeping_run_is_the_engine_step() -> None:
     reqs = make_workload(WorkloadSpec("sharegpt", 40, seed=3), 100, 512)
-    settings = BenchSettings(16, 80, 512, 128, 2048)
-    paged = simulate(reqs, settings, "paged")
-    rmax = simulate(reqs, settings, "reserve-max")
+
+    def run(policy: str) -> dict:
+        config = EngineConfig(
+            block_size=16,
+            num_kv_blocks=80,
+            max_model_len=512,
+            enable_prefix_caching=False,
+            kv_reservation=policy,
+        )
+        engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(100, 512)))
+        return run_workload(engine, reqs, clock="steps").row
+
+    paged, rmax = run("paged"), run("reserve-max")
     assert paged["generated_tokens"] == rmax["generated_tokens"] == sum(r.output_len for r in reqs)
     assert paged["max_empty_slots_per_seq"] < 16
     assert rmax["peak_running_seqs"] == 2  # 80 blocks hold two 512-token reservations
     assert paged["kv_utilization"] > rmax["kv_utilization"]
+
+
+def test_bookkeeping_run_matches_the_model_run(tiny_llama_dir: Path) -> None:
+    """Over FakeModelRunner the engine schedules exactly as over the model (EOS ignored,
+    nothing cached): the same steps, admissions, preemptions and blocks."""
+    from pagedllm.bench.options import get_loaded
+
+    spec = WorkloadSpec("uniform", 8, prompt_range=(5, 40), output_range=(5, 40))
+    reqs = make_workload(spec, 128, 128)
+    config = EngineConfig(
+        block_size=8, num_kv_blocks=20, max_model_len=128, enable_prefix_caching=False
+    )
+    fake_engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(128, 512)))
+    fake = run_workload(fake_engine, reqs, clock="steps").row
+    real = run_workload(LLMEngine(config, get_loaded(str(tiny_llama_dir))), reqs).row
+    assert real["preemptions"] > 0  # the pool is small enough to exercise preemption
+    for key in ("steps", "preemptions", "peak_used_blocks", "kv_utilization", "slots_wasted_frac"):
+        assert fake[key] == real[key], key
 
 
 def test_static_batches_fit_the_budget() -> None:
@@ -166,6 +200,12 @@ def test_static_batches_fit_the_budget() -> None:
         assert rect <= 120 or len(b) == 1
     assert padded_utilization([BenchRequest((1,) * 4, 2)]) == 1.0
     assert padded_utilization(reqs[:2]) < 1.0
+
+
+def test_one_percentile_definition() -> None:
+    figures = distribution([4.0, 1.0, 3.0, 2.0], "_s", "x_")
+    assert figures == {"x_mean_s": 2.5, "x_median_s": 2.5, "x_p99_s": 3.97}  # interpolated
+    assert distribution([], "_ms") == {"mean_ms": None, "median_ms": None, "p99_ms": None}
 
 
 def test_latency_stats() -> None:
@@ -243,3 +283,40 @@ def test_sharing_bench_counts_blocks_saved(tiny_llama_dir: Path, tmp_path: Path)
         assert r["peak_blocks_in_use"] < r["peak_blocks_unshared"]
         assert 0 < r["mean_saved_frac"] < 1
     assert (out / "sharing_saved.png").exists()
+
+
+def test_serve_bench_against_a_live_server(tmp_path: Path, capsys) -> None:
+    """`bench serve` drives a real server (over the fake runner: no model to wait for)."""
+    from live_server import LiveServer
+    from pagedllm.entrypoints.server.app import create_app
+
+    config = EngineConfig(num_kv_blocks=64, block_size=16, max_model_len=256)
+    engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(32000, 512)))
+    server = LiveServer(create_app(engine, served_model_name="fake"))
+    try:
+        out = tmp_path / "serve"
+        argv = ["bench", "serve", "--url", server.url, "--out", str(out)]
+        argv += ["--num-prompts", "6", "--prompt-len", "12", "--output-len", "5"]
+        assert main([*argv, "--request-rate", "inf"]) == 0
+        printed = capsys.readouterr().out
+        assert "completed:" in printed and "| ITL |" in printed
+        result = json.loads((out / "serve.json").read_text())
+        assert result["summary"]["completed"] == 6 and result["summary"]["failed"] == 0
+        assert result["summary"]["total_input_tokens"] == 6 * 12
+        assert result["summary"]["total_output_tokens"] == 6 * 5
+        assert [r["metric"] for r in result["results"]] == ["TTFT", "TPOT", "ITL", "E2EL"]
+        assert (out / "serve.md").is_file() and (out / "serve_latency_cdf.png").is_file()
+        assert main([*argv, "--max-concurrency", "2"]) == 0
+        # Word prompts need the server's tokenizer, which this one lacks: every request fails.
+        assert main([*argv, "--max-concurrency", "2", "--prompt-kind", "words"]) == 1
+        assert main([*argv]) == 2  # neither a request rate nor a concurrency cap
+    finally:
+        server.close()
+
+
+def test_list_options_and_sweeps(tiny_llama_dir: Path, tmp_path: Path, capsys) -> None:
+    base = ["bench", "block-size", "--model", str(tiny_llama_dir), "--out", str(tmp_path)]
+    assert main([*base, "--block-sizes", "8,512"]) == 2
+    assert "block_size must be in [1, 256], got 512" in capsys.readouterr().err
+    assert main([*base, "--block-sizes", "8", "--block-size", "16"]) == 2
+    assert "give --block-sizes or --block-size, not both" in capsys.readouterr().err

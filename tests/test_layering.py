@@ -1,5 +1,7 @@
-"""The house layering, read from the imports with `ast`: bookkeeping (kv/, core/) is
-plain Python without torch; model/ never reaches into scheduling, blocks or the engine."""
+"""The house layering, read from the source with `ast`: bookkeeping (kv/, core/), the
+engine loop (engine/) and the runner interface are plain Python without torch, in their
+imports and in their type annotations; model/ never reaches into scheduling, blocks or the
+engine; no two modules import each other, even lazily."""
 
 from __future__ import annotations
 
@@ -9,31 +11,82 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pagedllm"
+HEAVY = {"torch", "numpy", "np", "transformers", "Tensor"}
+TORCH_FREE = ["kv", "core", "engine", "worker/runner.py", "worker/fake_runner.py", "errors.py"]
 
 
-def imports_of(package: str) -> dict[str, set[str]]:
-    found: dict[str, set[str]] = {}
-    for path in (SRC / package).rglob("*.py"):
-        names: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module)
-        found[str(path.relative_to(SRC))] = names
+def files_of(part: str) -> list[Path]:
+    path = SRC / part
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path]
+
+
+def imports_in(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # maybe submodules
+    return names
+
+
+def annotations_in(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            args += [a for a in (node.args.vararg, node.args.kwarg) if a is not None]
+            found += [ast.unparse(a.annotation) for a in args if a.annotation is not None]
+            if node.returns is not None:
+                found.append(ast.unparse(node.returns))
+        elif isinstance(node, ast.AnnAssign):
+            found.append(ast.unparse(node.annotation))
     return found
 
 
-@pytest.mark.parametrize("package", ["kv", "core"])
-def test_bookkeeping_has_no_torch(package: str) -> None:
-    for path, names in imports_of(package).items():
-        heavy = {n for n in names if n.split(".")[0] in {"torch", "numpy", "transformers"}}
-        assert not heavy, f"{path} imports {heavy}"
+@pytest.mark.parametrize("part", TORCH_FREE)
+def test_bookkeeping_has_no_torch(part: str) -> None:
+    for path in files_of(part):
+        heavy = {n for n in imports_in(path) if n.split(".")[0] in HEAVY}
+        assert not heavy, f"{path.relative_to(SRC)} imports {heavy}"
+        for annotation in annotations_in(path):
+            words = set(annotation.replace(".", " ").replace("[", " ").replace("|", " ").split())
+            assert not words & HEAVY, f"{path.relative_to(SRC)} annotates with {annotation}"
 
 
 @pytest.mark.parametrize("package", ["model", "attention"])
 def test_model_does_not_import_scheduling(package: str) -> None:
     banned = ("pagedllm.core", "pagedllm.kv", "pagedllm.engine", "pagedllm.worker")
-    for path, names in imports_of(package).items():
-        bad = {n for n in names if n.startswith(banned)}
-        assert not bad, f"{path} imports {bad}"
+    for path in files_of(package):
+        bad = {n for n in imports_in(path) if n.startswith(banned)}
+        assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+
+
+def test_no_import_cycles_between_modules() -> None:
+    """Imports inside the package, lazy ones included, form no cycle: a cycle makes
+    import order matter and hides which layer depends on which."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        modules[name] = path
+    graph = {
+        name: {m for m in imports_in(path) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for dep in graph[name]:
+            if state.get(dep) == 1:
+                cycle = trail[trail.index(dep) :] if dep in trail else [dep]
+                raise AssertionError(f"import cycle: {' -> '.join([*cycle, dep])}")
+            if dep not in state:
+                visit(dep, [*trail, dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])

@@ -5,11 +5,9 @@ streams are all correct, and nothing leaks (a client that hangs up frees its blo
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import json
-import re
-import threading
-import time
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,76 +15,29 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from hf_oracle import make_tiny_model
-from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
+from live_server import (
+    CHAT,
+    NAME,
+    OPTIONS,
+    LiveServer,
+    build_chat_model,
+    check_error,
+    post_raw,
+    start_server,
+)
 from pagedllm.entrypoints.llm import LLM
-from pagedllm.entrypoints.server.app import create_app
-from pagedllm.loader import ModelLoadError, default_model_path
 from pagedllm.sampling_params import SamplingParams
-
-OPTIONS = dict(num_kv_blocks=256, block_size=16)
-NAME = "tiny"
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
 
 
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with SmolLM2's real tokenizer and chat template."""
-    try:
-        gguf = default_model_path()
-    except ModelLoadError as exc:
-        pytest.skip(str(exc))
-    from pagedllm.loader.tokenizer import load_gguf_tokenizer
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "llama", vocab_size=49152)
-    load_gguf_tokenizer(gguf, None).save_pretrained(path)
-    return path
-
-
-class LiveServer:
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.engine = app.state.engine
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server failed to start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def client(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics").text
-        return {m[1]: float(m[2]) for m in re.finditer(r"^(pagedllm:\S+) (\S+)$", text, re.M)}
-
-    def wait_metrics(self, **expected: float) -> dict[str, float]:
-        """Poll /metrics until the named values hold (the engine updates them per step)."""
-        deadline = time.monotonic() + 60  # a hang guard, not a timing assertion
-        while time.monotonic() < deadline:
-            values = self.metrics()
-            if all(values.get(f"pagedllm:{k}") == v for k, v in expected.items()):
-                return values
-            time.sleep(0.01)
-        raise AssertionError(f"metrics never reached {expected}: {self.metrics()}")
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+    return build_chat_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def server(chat_model_dir: Path) -> Iterator[LiveServer]:
-    engine = LLMEngine(EngineConfig(model=str(chat_model_dir), **OPTIONS))
-    live = LiveServer(create_app(engine, served_model_name=NAME))
+    live = start_server(chat_model_dir)
     yield live
     live.close()
 
@@ -201,6 +152,7 @@ def test_32_concurrent_streams_are_correct_and_leak_nothing(
 
 def test_client_disconnect_aborts_and_frees_blocks(server: LiveServer) -> None:
     aborted = server.metrics().get('pagedllm:request_finished_total{finished_reason="abort"}', 0)
+    closed = server.rejected(499)
     body = {
         "model": NAME,
         "prompt": "Tell me a long story",
@@ -228,26 +180,18 @@ def test_client_disconnect_aborts_and_frees_blocks(server: LiveServer) -> None:
         server.engine.resume()
     values = server.metrics()
     assert values['pagedllm:request_finished_total{finished_reason="abort"}'] == aborted + 2
+    # The non-streaming one is a client disconnect (499), not a server error.
+    assert server.rejected(499) == closed + 1
+    server.assert_pool_whole()
 
 
 # ------------------------------------------------------------------------ errors
-def check_error(
-    r: httpx.Response, status: int, *, param: str | None = None, words: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert "Traceback" not in r.text and error["param"] == param
-    assert all(w in error["message"] for w in words), error["message"]
-    return error
-
-
 def test_bad_requests_get_openai_errors(server: LiveServer) -> None:
     url = server.url + "/v1/completions"
 
     def post(body: Any, path: str = url) -> httpx.Response:
         if isinstance(body, (str, bytes)):
-            return httpx.post(path, content=body, headers={"content-type": "application/json"})
+            return post_raw(path, body)
         return httpx.post(path, json=body)
 
     check_error(post('{"prompt": "x",'), 400, words=("JSON",))
@@ -271,13 +215,20 @@ def test_bad_requests_get_openai_errors(server: LiveServer) -> None:
         words=("temperature must be in [0, inf)",),
     )
     check_error(post({"prompt": "x", "top_p": 1.5}), 400, param="top_p")
-    error = check_error(
+    # The prompt leaves room for fewer tokens: max_tokens is what to change.
+    check_error(
         post({"prompt": [5] * 500, "max_tokens": 100}),
         400,
-        param="prompt",
+        param="max_tokens",
+        code="context_length_exceeded",
         words=("500", "100", "512"),
     )
-    assert error["code"] == "context_length_exceeded"
+    check_error(
+        post({"prompt": [5] * 600, "max_tokens": 1}),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+    )
     check_error(post({"model": "gpt-4", "prompt": "x"}), 404, param="model", words=("gpt-4",))
     check_error(post({"prompt": "x" * (1 << 20)}), 413, words=("1048576",))
     chunked = httpx.post(url, content=(b"x" * 65536 for _ in range(32)))  # no Content-Length
@@ -287,36 +238,70 @@ def test_bad_requests_get_openai_errors(server: LiveServer) -> None:
         server.client().completions.create(model=NAME, prompt="x", temperature=-1)
 
 
-def test_overload_gets_503_with_retry_after(server: LiveServer) -> None:
-    engine = server.engine
-    engine.max_waiting = 1
+def test_overload_gets_503_with_retry_after(chat_model_dir: Path) -> None:
+    # One sequence slot: one waiting request can be admitted, the next is the backlog.
+    live = start_server(chat_model_dir, {"max_num_seqs": 1}, max_waiting=1)
+    engine = live.engine
     engine.pause()
+    url = live.url + "/v1/completions"
     body = {"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
     try:
-        with httpx.stream(
-            "POST", server.url + "/v1/completions", json={**body, "stream": True}
-        ) as first:
-            assert first.status_code == 200  # accepted: it is the one waiting request
-            r = httpx.post(server.url + "/v1/completions", json=body)
-            check_error(r, 503, words=("max_waiting=1",))
+        with (
+            httpx.stream("POST", url, json={**body, "stream": True}) as first,
+            httpx.stream("POST", url, json={**body, "stream": True}) as second,
+        ):
+            assert (first.status_code, second.status_code) == (200, 200)
+            r = httpx.post(url, json=body)
+            check_error(r, 503, code="server_overloaded", words=("max_waiting=1",))
             assert r.headers["retry-after"] == "1"
             engine.resume()
-            assert [line for line in first.iter_lines() if line][-1] == "data: [DONE]"
+            for stream in (first, second):
+                assert [line for line in stream.iter_lines() if line][-1] == "data: [DONE]"
+        assert httpx.post(url, json=body).status_code == 200
+        live.assert_pool_whole()
+    finally:
+        engine.resume()
+        live.close()
+
+
+def test_max_waiting_lets_an_idle_server_take_a_burst_it_has_room_for(
+    server: LiveServer,
+) -> None:
+    """20 simultaneous requests, max_waiting=4, 128 free sequence slots: all are served."""
+    engine = server.engine
+    engine.max_waiting = 4
+    engine.pause()  # all 20 wait together
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            tasks = [
+                asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(20)
+            ]
+            await asyncio.to_thread(server.wait_metrics, num_requests_waiting=20)
+            engine.resume()
+            return [r.status_code for r in await asyncio.gather(*tasks)]
+
+    try:
+        assert asyncio.run(main()) == [200] * 20
     finally:
         engine.max_waiting = None
         engine.resume()
-    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+    server.assert_pool_whole()
 
 
 def test_api_key(chat_model_dir: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(chat_model_dir), **OPTIONS))
-    live = LiveServer(create_app(engine, served_model_name=NAME, api_key="s3cret"))
+    live = start_server(chat_model_dir, api_key="s3cret")
     try:
         url = live.url + "/v1/completions"
         body = {"prompt": "Hi", "max_tokens": 2}
-        check_error(httpx.post(url, json=body), 401)
+        r = httpx.post(url, json=body)
+        check_error(r, 401, code="invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer"
         check_error(httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}), 401)
+        check_error(httpx.post(url, json=body, headers={"Authorization": "Bearer"}), 401)
         check_error(httpx.get(live.url + "/v1/models"), 401)
+        check_error(httpx.get(live.url + f"/v1/models/{NAME}"), 401)
         with pytest.raises(openai.AuthenticationError):
             live.client("wrong").completions.create(model=NAME, prompt="Hi", max_tokens=2)
         out = live.client("s3cret").completions.create(model=NAME, prompt="Hi", max_tokens=2)
@@ -326,28 +311,28 @@ def test_api_key(chat_model_dir: Path) -> None:
         live.close()
 
 
-def test_bench_serve_against_the_server(server: LiveServer, tmp_path: Path, capsys) -> None:
-    from pagedllm.bench.serve import main
+def test_an_empty_api_key_means_no_key(chat_model_dir: Path, monkeypatch, caplog) -> None:
+    live = start_server(chat_model_dir, api_key="")
+    try:
+        url = live.url + "/v1/completions"
+        body = {"prompt": "Hi", "max_tokens": 2}
+        assert httpx.post(url, json=body).status_code == 200
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer"}).status_code == 200
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer x"}).status_code == 200
+    finally:
+        live.close()
+    # `pagedllm serve` with PAGEDLLM_API_KEY="" says the same.
+    import uvicorn
 
-    out = tmp_path / "bench.json"
-    argv = [
-        "--url",
-        server.url,
-        "--num-prompts",
-        "6",
-        "--request-rate",
-        "inf",
-        "--input-len",
-        "12",
-        "--output-len",
-        "5",
-        "--out",
-        str(out),
-    ]
-    assert main(argv) == 0
-    table = capsys.readouterr().out
-    assert re.search(r"^Successful requests: +6 *$", table, re.M) and "P99 ITL (ms):" in table
-    results = json.loads(out.read_text())["results"]
-    assert results["completed"] == 6 and results["failed"] == 0
-    assert results["total_input_tokens"] == 6 * 12 and results["total_output_tokens"] == 6 * 5
-    assert main([*argv[:4], "--max-concurrency", "2", *argv[6:]]) == 0
+    from pagedllm.entrypoints.server.serve_cli import add_serve_parser
+
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "")
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", str(chat_model_dir), "--num-kv-blocks", "32"])
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert args.func(args) == 0
+    assert len(served) == 1
+    assert "API key not required" in caplog.text and "empty" in caplog.text

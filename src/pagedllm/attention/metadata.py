@@ -30,6 +30,9 @@ class AttentionGroup:
     # Built once per step for every layer; additive because torch's CPU attention has a
     # fast path for it that a boolean mask misses.
     attn_bias: torch.Tensor
+    # [G, 1, Lk, 1] key j < the sequence's context length: slots past it hold anything
+    # (stale K/V, or NaN in fresh memory) and must not reach the softmax, even masked.
+    key_valid: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class AttentionMetadata:
     groups: tuple[AttentionGroup, ...]
     block_size: int
     num_tokens: int
+    max_query_len: int
+    max_context_len: int
+    # [num_tiles, 2] (sequence, first query row) of each tile of `query_tile` tokens, for
+    # kernels that run a program per tile; None unless asked for.
+    query_tiles: torch.Tensor | None = None
 
 
 def _pad(rows: Sequence[Sequence[int]], width: int) -> torch.Tensor:
@@ -98,6 +106,9 @@ def _group(
         max_context_len=max_ctx,
         is_decode=max_q == 1,
         attn_bias=bias[:, None].to(device),
+        key_valid=(torch.arange(max_ctx)[None, :] < context_lens[members][:, None])[
+            :, None, :, None
+        ].to(device),
     )
 
 
@@ -109,8 +120,14 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    with_groups: bool = True,
+    query_tile: int | None = None,
 ) -> AttentionMetadata:
-    """Metadata for sequences that compute `query_lens[i]` tokens from `start_positions[i]`."""
+    """Metadata for sequences that compute `query_lens[i]` tokens from `start_positions[i]`.
+
+    `with_groups` builds the padded groups the reference backend attends over; kernels
+    that follow the block table themselves do without them, and may ask for the query
+    split into tiles of `query_tile` tokens instead."""
     num_seqs = len(query_lens)
     starts = torch.as_tensor(start_positions, dtype=torch.long)
     qlens = torch.as_tensor(query_lens, dtype=torch.long)
@@ -127,17 +144,23 @@ def build_attention_metadata(
     logits_indices = qsl[1:][torch.as_tensor(list(logits_seq_indices), dtype=torch.long)] - 1
 
     groups = []
-    is_decode = qlens == 1
-    decodes = torch.nonzero(is_decode).flatten()
-    prompts = torch.nonzero(~is_decode).flatten()
-    for members in _context_buckets(decodes, context_lens):
-        groups.append(
-            _group(members, qlens, qsl, starts, context_lens, tables, block_size, device, dtype)
-        )
-    if prompts.numel():
-        groups.append(
-            _group(prompts, qlens, qsl, starts, context_lens, tables, block_size, device, dtype)
-        )
+    if with_groups:
+        is_decode = qlens == 1
+        decodes = torch.nonzero(is_decode).flatten()
+        prompts = torch.nonzero(~is_decode).flatten()
+        members_list = _context_buckets(decodes, context_lens)
+        if prompts.numel():
+            members_list.append(prompts)
+        groups = [
+            _group(m, qlens, qsl, starts, context_lens, tables, block_size, device, dtype)
+            for m in members_list
+        ]
+    tiles = None
+    if query_tile is not None:
+        tiles = torch.tensor(
+            [(i, r) for i, n in enumerate(query_lens) for r in range(0, n, query_tile)],
+            dtype=torch.long,
+        ).view(-1, 2)
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         positions=positions.to(device),
@@ -148,4 +171,7 @@ def build_attention_metadata(
         groups=tuple(groups),
         block_size=block_size,
         num_tokens=num_tokens,
+        max_query_len=max(query_lens, default=0),
+        max_context_len=int(context_lens.max()) if num_seqs else 0,
+        query_tiles=None if tiles is None else tiles.to(device),
     )

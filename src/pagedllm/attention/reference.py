@@ -23,8 +23,9 @@ def write_kv(
 ) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) into the paged caches."""
     kvh, d = key.shape[1], key.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
+    # A half-precision cache stores the values rounded to its dtype.
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def gather_context(
@@ -50,6 +51,8 @@ class ReferenceAttention:
     """Paged attention with torch ops only; `cache` tensors are [blocks, block_size, kvh, d]."""
 
     name = "reference"
+    needs_groups = True
+    query_tile: int | None = None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
@@ -96,6 +99,9 @@ class ReferenceAttention:
         length = group.max_context_len
         k = gather_context(k_cache, group.block_tables, length, k_buf).transpose(1, 2)
         v = gather_context(v_cache, group.block_tables, length, v_buf).transpose(1, 2)
+        # Unused slots become zeros; a half-precision cache computes in q's dtype.
+        k = k.to(q.dtype).masked_fill(~group.key_valid, 0.0)
+        v = v.to(q.dtype).masked_fill(~group.key_valid, 0.0)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=group.attn_bias.to(q.dtype), scale=self.scale, enable_gqa=True
         ).transpose(1, 2)  # [G, Lq, heads, d]

@@ -1,17 +1,9 @@
-"""Seeded benchmark workloads: token-id prompts with exact output lengths.
+"""Seeded benchmark workloads: token-id prompts with exact output lengths (EOS ignored).
 
-Three shapes: `fixed` (every request the same), `uniform` (lengths uniform in ranges) and
-`sharegpt` (long-tailed, shaped like ShareGPT conversations). Prompts are random token
-ids from the vocabulary, and each request generates exactly `output_len` tokens
-(`ignore_eos=True, max_tokens=output_len`), so `reserve-oracle` knows the true length and
-every system computes the same tokens. Same spec and seed -> same requests.
-
-The ShareGPT shape: the vLLM paper reports ShareGPT means of 161 prompt and 338 output
-tokens with long tails. We draw both from log-normals with those means times `scale`
-(default 0.5, i.e. about 80 and 170 tokens) so that a suite fits a 2-core CPU:
-prompt ~ LogNormal(mu=ln(161 * scale) - 0.5, sigma=1.0), output ~ LogNormal(mu=ln(338 *
-scale) - 0.32, sigma=0.8); then prompts are clipped to [4, max_model_len // 2] and outputs
-to [4, max_model_len - prompt], so prompt + output never exceeds the context.
+Shapes: `fixed`, `uniform` (lengths in ranges) and `sharegpt`: log-normal lengths with
+ShareGPT's means (161 prompt, 338 output tokens, per the vLLM paper) times `scale`,
+sigma 1.0 and 0.8, clipped so that a prompt takes at most half the context and a request
+never exceeds it. Same spec and seed, same requests.
 """
 
 from __future__ import annotations
@@ -23,10 +15,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 WORKLOADS = ("sharegpt", "fixed", "uniform")
-SHAREGPT_PROMPT_MEAN = 161.0
-SHAREGPT_OUTPUT_MEAN = 338.0
-SHAREGPT_PROMPT_SIGMA = 1.0
-SHAREGPT_OUTPUT_SIGMA = 0.8
+SHAREGPT_PROMPT_MEAN, SHAREGPT_OUTPUT_MEAN = 161.0, 338.0
+SHAREGPT_PROMPT_SIGMA, SHAREGPT_OUTPUT_SIGMA = 1.0, 0.8
 MIN_LEN = 4
 
 
@@ -34,7 +24,7 @@ MIN_LEN = 4
 class BenchRequest:
     prompt_token_ids: tuple[int, ...]
     output_len: int
-    arrival_time: float = 0.0  # seconds after the start (0 for offline runs)
+    arrival_time: float = 0.0  # seconds (or steps) after the start
 
     @property
     def prompt_len(self) -> int:
@@ -59,10 +49,8 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.kind!r}")
-        if self.num_prompts < 1:
-            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
-        if self.prompt_len < 1 or self.output_len < 1:
-            raise ValueError("prompt_len and output_len must be >= 1")
+        if min(self.num_prompts, self.prompt_len, self.output_len) < 1:
+            raise ValueError("num_prompts, prompt_len and output_len must be >= 1")
         for name in ("prompt_range", "output_range"):
             lo, hi = getattr(self, name)
             if not 1 <= lo <= hi:
@@ -79,28 +67,23 @@ def sharegpt_lengths(
         raise ValueError(f"max_model_len must be >= {2 * MIN_LEN}, got {max_model_len}")
     mu_p = math.log(SHAREGPT_PROMPT_MEAN * scale) - SHAREGPT_PROMPT_SIGMA**2 / 2
     mu_o = math.log(SHAREGPT_OUTPUT_MEAN * scale) - SHAREGPT_OUTPUT_SIGMA**2 / 2
-    prompts = rng.lognormal(mu_p, SHAREGPT_PROMPT_SIGMA, n)
-    outputs = rng.lognormal(mu_o, SHAREGPT_OUTPUT_SIGMA, n)
-    pairs = []
-    for p, o in zip(prompts, outputs, strict=True):
-        p_len = int(np.clip(round(p), MIN_LEN, max_model_len // 2))
-        o_len = int(np.clip(round(o), MIN_LEN, max_model_len - p_len))
-        pairs.append((p_len, o_len))
-    return pairs
+    prompts = rng.lognormal(mu_p, SHAREGPT_PROMPT_SIGMA, n).round()
+    outputs = rng.lognormal(mu_o, SHAREGPT_OUTPUT_SIGMA, n).round()
+    p_lens = np.clip(prompts, MIN_LEN, max_model_len // 2).astype(int)
+    o_lens = np.clip(outputs, MIN_LEN, max_model_len - p_lens).astype(int)
+    return [(int(p), int(o)) for p, o in zip(p_lens, o_lens, strict=True)]
 
 
 def make_workload(spec: WorkloadSpec, vocab_size: int, max_model_len: int) -> list[BenchRequest]:
     """The spec's requests; raises ValueError if a fixed or uniform request cannot fit."""
-    rng = np.random.default_rng(spec.seed)
-    n = spec.num_prompts
+    rng, n = np.random.default_rng(spec.seed), spec.num_prompts
     if spec.kind == "sharegpt":
         lengths = sharegpt_lengths(n, rng, max_model_len, spec.scale)
     elif spec.kind == "fixed":
         lengths = [(spec.prompt_len, spec.output_len)] * n
     else:
         (plo, phi), (olo, ohi) = spec.prompt_range, spec.output_range
-        p = rng.integers(plo, phi + 1, n)
-        o = rng.integers(olo, ohi + 1, n)
+        p, o = rng.integers(plo, phi + 1, n), rng.integers(olo, ohi + 1, n)
         lengths = [(int(a), int(b)) for a, b in zip(p, o, strict=True)]
     longest = max(p + o for p, o in lengths)
     if longest > max_model_len:
@@ -128,15 +111,10 @@ def with_poisson_arrivals(
 
 
 def summarize(requests: Sequence[BenchRequest]) -> dict[str, float]:
-    """Mean / max prompt and output lengths, for the benches' headers."""
-    p = np.array([r.prompt_len for r in requests])
-    o = np.array([r.output_len for r in requests])
-    return {
-        "num_requests": len(requests),
-        "prompt_mean": round(float(p.mean()), 1),
-        "prompt_max": int(p.max()),
-        "output_mean": round(float(o.mean()), 1),
-        "output_max": int(o.max()),
-        "prompt_tokens": int(p.sum()),
-        "output_tokens": int(o.sum()),
-    }
+    """Mean / max prompt and output lengths, and token totals, for the benches' headers."""
+    figures: dict[str, float] = {"num_requests": len(requests)}
+    for name in ("prompt", "output"):
+        lens = np.array([getattr(r, f"{name}_len") for r in requests])
+        figures |= {f"{name}_mean": round(float(lens.mean()), 1), f"{name}_max": int(lens.max())}
+        figures[f"{name}_tokens"] = int(lens.sum())
+    return figures

@@ -2,10 +2,12 @@
 
 Every engine call (add_request, abort, step, and any `call(fn)`) runs on that one thread,
 so the engine needs no locks. Consumers hand it commands and get results back through
-`loop.call_soon_threadsafe`; each request streams its cumulative RequestOutputs into its
-own asyncio queue. The thread sleeps on a condition while there is nothing to do. A
-failure is contained: a request whose add or delivery raises fails alone; if step()
-raises, the requests running in that step fail with the error and the loop serves on.
+`loop.call_soon_threadsafe`; the requests submitted together (one, or the prompts of one
+HTTP request) stream their cumulative RequestOutputs into one asyncio queue. The thread
+sleeps on a condition while there is nothing to do. A failure is contained: requests
+whose add or delivery raises fail alone; if step() raises, the requests running in that
+step fail with the error and the loop serves on. `max_waiting` bounds the backlog: the
+waiting requests beyond what the engine could admit now (see `backlog`).
 """
 
 from __future__ import annotations
@@ -57,15 +59,26 @@ class EngineSnapshot:
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator. Leaving it early (break, an
-    exception, cancellation, `async with` exit) aborts the request and frees its blocks."""
+    """The outputs of one or more requests submitted together (e.g. the prompts of one
+    HTTP request), as one async iterator of their RequestOutputs in arrival order; each
+    output names its request. It ends when every request has finished. Leaving it early
+    (cancellation, `async with` exit, `abort()`; a bare `break` is not seen) or a failure
+    of any of them aborts them all and frees their blocks."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
-        self.request_id = request_id
+    def __init__(self, engine: AsyncLLMEngine, request_ids: Sequence[str]) -> None:
+        self.request_ids = tuple(request_ids)
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
+        self._unfinished = set(self.request_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request_ids[0]
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the engine thread
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
@@ -74,7 +87,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
+        if not self._unfinished:
             raise StopAsyncIteration
         try:
             item = await self._queue.get()
@@ -82,16 +95,17 @@ class RequestStream:
             self.abort()
             raise
         if isinstance(item, BaseException):
-            self.finished = True
+            self.abort()  # the other requests of the group cannot be answered either
             raise item
         if item.finished:
-            self.finished = True
+            self._unfinished.discard(item.request_id)
         return item
 
     def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
+        """Abort every request of the stream that has not finished."""
+        for request_id in self._unfinished:
+            self._engine.abort(request_id)
+        self._unfinished.clear()
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -171,32 +185,71 @@ class AsyncLLMEngine:
     async def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int] | Callable[[], str | Sequence[int]],
+        prompt: str | Sequence[int],
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> RequestStream:
-        """Queue a request and return its stream. Raises ValueError (bad request) or
-        EngineOverloadedError (more than `max_waiting` waiting). `prompt` may be a
-        callable, run on the engine thread (e.g. to apply a chat template)."""
-        stream = RequestStream(self, request_id)
+        """Queue a request and return its stream; see `add_requests`."""
+        return await self.add_requests([(request_id, prompt, params)], arrival_time)
+
+    async def add_requests(
+        self,
+        requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]],
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue (request id, prompt, params) requests together, all or none, and return
+        one stream of their outputs. Raises InvalidParameterError (a bad or oversized
+        request) or EngineOverloadedError (the backlog is at `max_waiting`).
+
+        Pass token ids to keep tokenization off the engine thread: a text prompt is
+        tokenized on it, and every running request waits meanwhile."""
+        if not requests:
+            raise ValueError("add_requests needs at least one request")
+        stream = RequestStream(self, [request_id for request_id, _, _ in requests])
 
         def add() -> None:
-            waiting = len(self.engine.scheduler.waiting)
-            if self.max_waiting is not None and waiting >= self.max_waiting:
+            limit = self.max_waiting
+            if limit is not None and (backlog := self.backlog()) >= limit:
                 raise EngineOverloadedError(
-                    f"the server is overloaded: {waiting} requests are waiting "
-                    f"(max_waiting={self.max_waiting}); retry later"
+                    f"the server is overloaded: {backlog} requests are waiting beyond what "
+                    f"the engine can admit (max_waiting={limit}); retry later"
                 )
-            resolved = prompt() if callable(prompt) else prompt
-            self.engine.add_request(request_id, resolved, params, arrival_time)
-            self._streams[request_id] = stream
+            added: list[str] = []
+            try:
+                for request_id, prompt, params in requests:
+                    self.engine.add_request(request_id, prompt, params, arrival_time)
+                    added.append(request_id)
+            except BaseException:
+                for request_id in added:
+                    self.engine.abort(request_id)
+                raise
+            for request_id in added:
+                self._streams[request_id] = stream
 
         try:
             await self.call(add)
         except asyncio.CancelledError:
-            self.abort(request_id)  # it may have been added after all
+            stream.abort()  # they may have been added after all
             raise
         return stream
+
+    def backlog(self) -> int:
+        """Waiting requests that the engine could not admit now, for want of sequence
+        slots or free KV blocks: the queue that `max_waiting` bounds. An idle engine
+        takes a burst it has room for. An estimate (prefix-cache hits and chunking can
+        admit more); engine thread only."""
+        sched, kv = self.engine.scheduler, self.engine.kv
+        slots = sched.config.max_num_seqs - sum(r.max_num_seqs for r in sched.running)
+        blocks = kv.num_free_blocks - kv.watermark_blocks
+        admissible = 0
+        for req in sched.waiting:  # admission is in queue order: stop at the first misfit
+            need = kv.blocks_for_tokens(req.num_tokens)
+            if req.max_num_seqs > slots or need > blocks:
+                break
+            slots -= req.max_num_seqs
+            blocks -= need
+            admissible += 1
+        return len(sched.waiting) - admissible
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""

@@ -15,6 +15,8 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.block_table import check_block_size
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 _UNITS = {
     "": 1,
     "B": 1,
@@ -55,6 +57,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # half precision holds twice the tokens in the same memory
+    attention_backend: str = "auto"
     device: str = "cpu"
     enable_prefix_caching: bool = True
     kv_reservation: str = "paged"
@@ -72,10 +76,15 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _at_least(self, name, 1)
-        if self.dtype not in DTYPES:
-            raise InvalidParameterError(
-                "dtype", f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
-            )
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("attention_backend", ATTENTION_BACKENDS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise InvalidParameterError(
+                    name, f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
         check_policy(self.kv_reservation)
         if not 0 <= self.watermark < 1:
             raise InvalidParameterError(

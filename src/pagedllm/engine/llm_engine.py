@@ -50,7 +50,14 @@ class LLMEngine:
             from pagedllm.worker.model_runner import TorchModelRunner
 
             loaded = loaded if loaded is not None else load_model(config.model)
-            runner = TorchModelRunner(loaded, config.dtype, config.device, config.seed)
+            runner = TorchModelRunner(
+                loaded,
+                config.dtype,
+                config.device,
+                config.seed,
+                config.kv_cache_dtype,
+                config.attention_backend,
+            )
             tokenizer = loaded.tokenizer
         self.runner = runner
         self.tokenizer = tokenizer

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.reservation import RESERVATION_POLICIES
-from pagedllm.engine.config import DTYPES, EngineConfig
+from pagedllm.engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pagedllm.kv.block_table import MAX_BLOCK_SIZE
 
 
@@ -44,6 +44,16 @@ OPTIONS = (
     _Option("max_num_batched_tokens", "most tokens computed in one step", int),
     _Option("max_model_len", "context limit (default: the model's, capped by the pool)", int),
     _Option("dtype", "dtype of weights and activations", choices=DTYPES),
+    _Option(
+        "kv_cache_dtype",
+        "dtype of the KV cache (auto: the model's; float16 holds twice the tokens)",
+        choices=KV_CACHE_DTYPES,
+    ),
+    _Option(
+        "attention_backend",
+        "paged attention kernel (auto: compiled on CPU, Triton on CUDA)",
+        choices=ATTENTION_BACKENDS,
+    ),
     _Option("device", "torch device: cpu, cuda, cuda:1, ..."),
     _Option(
         "enable_prefix_caching",

@@ -9,10 +9,12 @@ generators of seeded samples (keyed by sequence id, dropped when the sequence en
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 import torch
 
+from pagedllm.attention.backends import select_attention
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.loader import LoadedModel
@@ -21,15 +23,38 @@ from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 from pagedllm.worker.sampler import Sampler
 
+logger = logging.getLogger("pagedllm")
+
 
 class TorchModelRunner:
     def __init__(
-        self, loaded: LoadedModel, dtype: str = "float32", device: str = "cpu", seed: int = 0
+        self,
+        loaded: LoadedModel,
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        kv_cache_dtype: str = "auto",
+        attention_backend: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.dtype: torch.dtype = getattr(torch, dtype)
-        self.model_config = loaded.config
-        model = LlamaForCausalLM(loaded.config)
+        self.kv_dtype: torch.dtype = (
+            self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        )
+        self.model_config = cfg = loaded.config
+        self.attention = select_attention(
+            attention_backend,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.device,
+        )
+        logger.info(
+            "attention backend: %s; KV cache dtype: %s",
+            self.attention.name,
+            str(self.kv_dtype).removeprefix("torch."),
+        )
+        model = LlamaForCausalLM(cfg, self.attention)
         model.load_weights(loaded.weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.spec = ModelSpec(
@@ -42,11 +67,11 @@ class TorchModelRunner:
         self._generators: dict[int, torch.Generator] = {}
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        return block_size * self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.kv_cache = PagedKVCache(
-            self.model_config, num_blocks, block_size, dtype=self.dtype, device=self.device
+            self.model_config, num_blocks, block_size, dtype=self.kv_dtype, device=self.device
         )
 
     @torch.inference_mode()
@@ -75,7 +100,9 @@ class TorchModelRunner:
             logits_seq_indices=[i for i, s in enumerate(seqs) if s.needs_logits],
             block_size=cache.block_size,
             device=self.device,
-            dtype=cache.data.dtype,
+            dtype=self.dtype,
+            with_groups=self.attention.needs_groups,
+            query_tile=self.attention.query_tile,
         )
         hidden = self.model(input_ids, meta.positions, cache.layers, meta)
         return self.model.compute_logits(hidden[meta.logits_indices])

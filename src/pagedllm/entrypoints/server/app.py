@@ -1,28 +1,35 @@
 """create_app(engine, ...): the OpenAI-compatible FastAPI app over one engine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these three
-behind the API key when one is set), GET /health, GET /metrics. Request bodies are read
-by hand, so the checks run in a fixed order: API key (401), size (413), JSON (400),
-fields (400), model name (404), sampling values (400), queue length (503), context (400).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models and
+GET /v1/models/{id} (all behind the API key when one is set; an empty key is no key),
+GET|HEAD /health, GET /metrics, and, only with `enable_docs`, /docs, /redoc and
+/openapi.json (behind the key too). Request bodies are read by hand, so the checks run in
+a fixed order: API key (401), size (413), arrival within `body_timeout` (408), JSON (400),
+fields (400), model name (404), unsupported fields and sampling values (400), prompt text
+(400), backlog (503), context and KV-pool fit (400). Bad client input is never a 500.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
+import pagedllm.entrypoints.server.protocol as p
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.server import protocol as p
 from pagedllm.entrypoints.server.errors import (
     APIError,
     from_validation_error,
@@ -32,6 +39,7 @@ from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.serving import Serving
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 M = TypeVar("M", bound=BaseModel)
 
@@ -50,18 +58,27 @@ def create_app(
     api_key: str | None = None,
     max_waiting: int | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    allowed_origins: Sequence[str] = (),
+    enable_docs: bool = False,
 ) -> FastAPI:
     """The app; the engine loop starts with the app (or at the first request) and stops
-    with it. `max_waiting` bounds the waiting queue (HTTP 503 beyond it)."""
+    with it. `max_waiting` bounds the backlog: requests waiting beyond what the engine can
+    admit (HTTP 503 past it). `body_timeout`: seconds a client has to send its whole body
+    (HTTP 408 after). `allowed_origins`: browser origins allowed by CORS ("*" for any)."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     elif max_waiting is not None:
         engine.max_waiting = max_waiting
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if not body_timeout > 0:
+        raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout}")
+    api_key = api_key or None  # "" (e.g. PAGEDLLM_API_KEY="") means no key, as it reads
     async_engine = engine
     llm = async_engine.engine
     name = served_model_name or default_model_name(llm.config.model)
+    card = p.ModelCard(id=name, max_model_len=llm.max_model_len)
     metrics = ServerMetrics(async_engine)
     serving = Serving(async_engine, metrics, name)
 
@@ -72,12 +89,23 @@ def create_app(
             yield
         finally:
             async_engine.shutdown()
+            serving.encoder.close()
 
-    app = FastAPI(title="pagedllm", lifespan=lifespan)
+    # FastAPI's own docs routes cannot take the key: ours below can.
+    app = FastAPI(
+        title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.model_name = name
     install_error_handlers(app, on_error=lambda e: metrics.rejected.labels(status=e.status).inc())
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
 
     def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -91,22 +119,47 @@ def create_app(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
 
-    async def read_request(request: Request, model: type[M]) -> M:
+    async def read_body(request: Request) -> bytes:
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > max_request_bytes:
             raise _too_large(int(length), max_request_bytes)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_request_bytes:
-                raise _too_large(None, max_request_bytes)
+
+        async def read() -> bytes:
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_request_bytes:
+                    raise _too_large(None, max_request_bytes)
+            return bytes(body)
+
+        try:
+            # A client that sends less than its Content-Length (or trickles) would hold
+            # the connection and this handler forever.
+            return await asyncio.wait_for(read(), body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {body_timeout:g} s",
+                code="request_timeout",
+                headers={"Connection": "close"},  # the rest of the body may still come
+            ) from None
+        except ClientDisconnect:
+            raise APIError(499, "client closed the request", code="client_closed") from None
+
+    async def read_request(request: Request, model: type[M]) -> M:
+        body = await read_body(request)
         try:
             data: Any = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(
                 400, f"the request body is not valid JSON: {exc}", code="invalid_json"
+            ) from None
+        except RecursionError:  # json's C decoder stops at the interpreter's depth limit
+            raise APIError(
+                400, "the request body is not valid JSON: it nests too deeply", code="invalid_json"
             ) from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
@@ -116,12 +169,7 @@ def create_app(
             raise from_validation_error(exc) from None
         requested = getattr(parsed, "model", None)
         if requested is not None and requested != name:
-            raise APIError(
-                404,
-                f"the model '{requested}' does not exist; this server serves '{name}'",
-                param="model",
-                code="model_not_found",
-            )
+            raise _model_not_found(requested, name)
         return parsed
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
@@ -134,13 +182,22 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await read_request(request, p.ChatCompletionRequest), request)
 
+    # HEAD (for probes) stays out of the schema: one operation per route there.
+    @v1.head("/models", include_in_schema=False)
     @v1.get("/models")
     async def models() -> JSONResponse:
-        card = p.ModelCard(id=name, max_model_len=llm.max_model_len)
         return JSONResponse(p.dump(p.ModelList(data=[card])))
+
+    @v1.head("/models/{model_id:path}", include_in_schema=False)
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != name:
+            raise _model_not_found(model_id, name)
+        return JSONResponse(p.dump(card))
 
     app.include_router(v1)
 
+    @app.head("/health", include_in_schema=False)
     @app.get("/health")
     async def health() -> JSONResponse:
         if not async_engine.healthy:
@@ -151,9 +208,40 @@ def create_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if enable_docs:
+        docs = APIRouter(dependencies=[Depends(check_api_key)], include_in_schema=False)
+
+        @docs.get("/openapi.json")
+        async def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @docs.get("/docs")
+        async def swagger() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="pagedllm")
+
+        @docs.get("/redoc")
+        async def redoc() -> HTMLResponse:
+            return get_redoc_html(openapi_url="/openapi.json", title="pagedllm")
+
+        app.include_router(docs)
+
     return app
+
+
+def _model_not_found(requested: str, name: str) -> APIError:
+    return APIError(
+        404,
+        f"the model '{requested}' does not exist; this server serves '{name}'",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _too_large(size: int | None, limit: int) -> APIError:
     what = f"the request body ({size} bytes)" if size is not None else "the request body"
-    return APIError(413, f"{what} exceeds the limit of {limit} bytes", code="request_too_large")
+    return APIError(
+        413,
+        f"{what} exceeds the limit of {limit} bytes",
+        code="request_too_large",
+        headers={"Connection": "close"},  # the rest of the body is not read
+    )

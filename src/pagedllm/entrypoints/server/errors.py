@@ -3,12 +3,15 @@
 `APIError` carries an HTTP status; the handlers installed by `install_error_handlers`
 turn it, FastAPI's own errors and any unexpected exception into that format. A stack
 trace never reaches the client (unexpected errors are logged on the server).
+`from_invalid_param` maps the engine's typed InvalidParameterError to a 400 naming the
+request's own field, without reading the message.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,6 +20,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm.errors import InvalidParameterError
+
 logger = logging.getLogger("pagedllm")
 
 _TYPES = {
@@ -24,7 +29,9 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    499: "invalid_request_error",  # the client closed the request (nginx's code)
     503: "service_unavailable_error",
 }
 
@@ -59,7 +66,24 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return ASCIIJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a message that quotes the client's input may hold a
+    lone surrogate, which cannot be encoded as UTF-8 (the default) but can be escaped."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def from_invalid_param(
+    exc: InvalidParameterError, fields: Mapping[str, str] | None = None
+) -> APIError:
+    """400 for a typed engine error: `fields` renames engine parameters to the request's
+    fields (e.g. chat's "prompt" is "messages"); the code says what kind of problem."""
+    param = (fields or {}).get(exc.param, exc.param)
+    return APIError(400, str(exc), param=param, code=exc.code)
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:

@@ -1,8 +1,11 @@
 """The OpenAI wire format: pydantic request models (validated strictly, so a field of the
 wrong type is an error, not a silent conversion) and the response models.
 
-Requests accept OpenAI's sampling fields plus vLLM's extensions (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...); unknown fields are ignored.
+Requests accept OpenAI's sampling fields (logit_bias included) plus vLLM's extensions
+(top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...). Fields
+that would change the answer but that this server cannot honour (tools, JSON mode, image
+parts, suffix, ...) are refused by `check()` with InvalidParameterError naming them, rather
+than silently ignored; other unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.errors import UNSUPPORTED, InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -35,6 +39,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
     # vLLM extensions
     top_k: int = -1
     min_p: float = 0.0
@@ -48,7 +53,7 @@ class _SamplingRequest(BaseModel):
     def _params(
         self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None
     ) -> SamplingParams:
-        """SamplingParams of the request; ValueError names the bad field."""
+        """SamplingParams of the request; InvalidParameterError names the bad field."""
         return SamplingParams(
             n=self.n,
             best_of=best_of,
@@ -68,6 +73,7 @@ class _SamplingRequest(BaseModel):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_token_keys(self.logit_bias),
         )
 
     @property
@@ -76,14 +82,33 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    # text, token ids, or a batch of either: one engine request per prompt
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     best_of: int | None = None
     echo: bool = False
+    suffix: Any = None
+
+    def check(self) -> None:
+        _refuse({"echo": self.echo, "suffix": bool(self.suffix)})
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch: a single prompt is a batch of one (an empty list stays one, empty,
+        prompt, so that the engine names it)."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return p  # type: ignore[return-value]
 
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs, self.best_of)
+
+    def param_names(self) -> dict[str, str]:
+        return {}
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ContentPart(BaseModel):
@@ -96,11 +121,35 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: str
     content: str | list[ContentPart] | None = None
+    tool_call_id: str | None = None
+    tool_calls: Any = None
+
+    def check(self, where: str) -> None:
+        if self.role not in ROLES:
+            raise InvalidParameterError(
+                f"{where}.role",
+                f"{where}.role must be one of {', '.join(ROLES)}, got {self.role!r}",
+            )
+        if self.role == "tool" and self.tool_call_id is None:
+            raise InvalidParameterError(
+                f"{where}.tool_call_id", f"{where}.tool_call_id is required for role 'tool'"
+            )
+        _refuse({f"{where}.tool_calls": bool(self.tool_calls)})
+        if self.content is None:
+            raise InvalidParameterError(f"{where}.content", f"{where}.content is required")
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if part.type != "text" or part.text is None:
+                raise InvalidParameterError(
+                    f"{where}.content[{j}]",
+                    f"{where}.content[{j}] must be a text part ({{'type': 'text', 'text': ...}}): "
+                    f"this model reads text only, got type {part.type!r}",
+                    UNSUPPORTED,
+                )
 
     def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(p.text or "" for p in self.content if p.type == "text")
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content or ())
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -109,6 +158,31 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+
+    def check(self) -> None:
+        for i, message in enumerate(self.messages):
+            message.check(f"messages[{i}]")
+        # Asking for nothing (no tools, plain text) is fine; anything else would be ignored.
+        _refuse(
+            {
+                "tools": bool(self.tools),
+                "tool_choice": self.tool_choice not in (None, "none"),
+                "functions": bool(self.functions),
+                "function_call": self.function_call not in (None, "none"),
+                "audio": self.audio is not None,
+                "prediction": self.prediction is not None,
+                "response_format": (self.response_format or {}).get("type", "text") != "text",
+            }
+        )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs: true")
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens
@@ -117,38 +191,45 @@ class ChatCompletionRequest(_SamplingRequest):
         top = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, top)
 
+    def param_names(self) -> dict[str, str]:
+        """Engine parameter -> this request's field, for error objects."""
+        max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {"prompt": "messages", "max_tokens": max_tokens, "logprobs": "top_logprobs"}
+
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        # "developer" is OpenAI's new name for "system"; chat templates know the old one
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise InvalidParameterError(
+            "logit_bias", "logit_bias keys must be token ids (integers, as JSON strings)"
+        ) from None
+
+
+def _refuse(asked: dict[str, bool]) -> None:
+    """InvalidParameterError for the first field the request asked for (True)."""
+    for param, yes in asked.items():
+        if yes:
+            raise InvalidParameterError(
+                param, f"{param} is not supported by this server", UNSUPPORTED
+            )
 
 
 # ------------------------------------------------------------------ responses
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
 class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class TopLogprob(BaseModel):
@@ -159,52 +240,6 @@ class TopLogprob(BaseModel):
 
 class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogProbs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

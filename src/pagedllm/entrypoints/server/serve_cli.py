@@ -23,6 +23,13 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     p.add_argument(
@@ -32,7 +39,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=os.environ.get("PAGEDLLM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDLLM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDLLM_API_KEY; "
+        "empty: no key)",
     )
     p.add_argument(
         "--served-model-name",
@@ -43,13 +51,30 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "--max-waiting",
         type=_int_at_least(0),
         default=None,
-        help="refuse new requests with 503 while this many are waiting",
+        help="refuse new requests with 503 while this many are waiting beyond what the "
+        "engine can admit (default: no limit)",
     )
     p.add_argument(
         "--max-request-bytes",
         type=_int_at_least(1),
         default=1 << 20,
         help="largest request body accepted (413 beyond; default 1 MiB)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a client has to send its whole request body (408 after; default 30)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated browser origins allowed by CORS, '*' for any (default: none)",
+    )
+    p.add_argument(
+        "--enable-docs",
+        action="store_true",
+        help="serve /docs, /redoc and /openapi.json (behind the API key when one is set)",
     )
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -73,13 +98,19 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
+        body_timeout=args.body_timeout,
+        allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+        enable_docs=args.enable_docs,
     )
+    key = "required" if args.api_key else "not required"
+    if args.api_key == "":
+        key += ": the API key given is empty, which means no key"
     logging.getLogger("pagedllm").info(
         "serving '%s' at http://%s:%d/v1 (API key %s)",
         app.state.model_name,
         args.host,
         args.port,
-        "required" if args.api_key else "not required",
+        key,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

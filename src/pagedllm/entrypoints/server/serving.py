@@ -1,33 +1,48 @@
-"""The `/v1/completions` and `/v1/chat/completions` handlers: request -> SamplingParams ->
-engine -> OpenAI response (one JSON body, or Server-Sent Events with `stream: true`)."""
+"""The `/v1/completions` and `/v1/chat/completions` handlers: request -> SamplingParams and
+prompt token ids (tokenized off the engine thread) -> engine -> OpenAI response (one JSON
+body, or Server-Sent Events with `stream: true`). A completion's `prompt` may be a batch:
+prompt i's choices are i*n .. i*n+n-1, as in vLLM, and usage is summed."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+import pagedllm.entrypoints.server.protocol as p
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.entrypoints.server import protocol as p
-from pagedllm.entrypoints.server.errors import APIError
+from pagedllm.entrypoints.server.errors import APIError, from_invalid_param
 from pagedllm.entrypoints.server.metrics import ServerMetrics
+from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.streaming import (
     ClientDisconnected,
     Delta,
     DeltaTracker,
+    Generation,
     collect,
     sse_response,
     submit,
     usage_of,
 )
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.errors import InvalidParameterError
+
+
+@contextmanager
+def request_fields(fields: Mapping[str, str]) -> Iterator[None]:
+    """InvalidParameterError (from the request's checks, SamplingParams, tokenization or
+    the engine) -> 400 naming the request's field."""
+    try:
+        yield
+    except InvalidParameterError as exc:
+        raise from_invalid_param(exc, fields) from None
 
 
 @dataclass
@@ -35,9 +50,11 @@ class Serving:
     engine: AsyncLLMEngine
     metrics: ServerMetrics
     model_name: str
+    encoder: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
         tokenizer = self.engine.engine.tokenizer
+        self.encoder = PromptEncoder(tokenizer)
 
         @lru_cache(maxsize=65536)
         def token_str(token_id: int) -> str:
@@ -49,16 +66,17 @@ class Serving:
 
     # ---------------------------------------------------------- completions
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        params = _sampling_params(req.sampling_params)
-        if req.stream and params.best_of not in (None, params.n):
-            raise APIError(400, "best_of must equal n when streaming", param="best_of")
+        arrival = time.monotonic()
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream, tracker = await submit(
-            self.engine, self.metrics, rid, req.prompt, params, time.monotonic(), "prompt"
-        )
+        with request_fields(req.param_names()):
+            req.check()
+            params = req.sampling_params()
+            if req.stream and params.best_of not in (None, params.n):
+                raise InvalidParameterError("best_of", "best_of must equal n when streaming")
+            prompts = await self.encoder.prompts(req.prompts())
+            gen = await submit(self.engine, self.metrics, rid, prompts, params, arrival)
         k = req.logprobs
+        n = params.n
 
         def choice(d: Delta) -> dict[str, Any]:
             lps = self._completion_logprobs(d, k) if k is not None else None
@@ -82,14 +100,15 @@ class Serving:
         deltas = DeltaTracker(params)
         if req.stream:
 
-            def chunks(out: RequestOutput) -> Iterable[dict[str, Any]]:
-                for d in deltas.deltas(out):
+            def chunks(position: int, out: RequestOutput) -> Iterable[dict[str, Any]]:
+                for d in deltas.deltas(out, position * n):
                     if d.text or d.finish_reason or (k is not None and d.token_ids):
                         yield body([choice(d)], None)
 
-            return sse_response(stream, tracker, chunks, self._usage_chunk(req.include_usage, body))
-        final = await self._final(raw, stream, tracker)
-        return JSONResponse(body([choice(d) for d in deltas.deltas(final)], usage_of(final)))
+            return sse_response(gen, chunks, self._usage_chunk(req.include_usage, body))
+        finals = await self._final(raw, gen)
+        choices = [choice(d) for i, out in enumerate(finals) for d in deltas.deltas(out, i * n)]
+        return JSONResponse(body(choices, usage_of(finals)))
 
     def _completion_logprobs(self, d: Delta, k: int) -> dict[str, Any]:
         out = p.CompletionLogProbs()
@@ -106,26 +125,13 @@ class Serving:
 
     # ----------------------------------------------------------------- chat
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
-        params = _sampling_params(req.sampling_params)
+        arrival = time.monotonic()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        conversation = req.conversation()
-        tokenizer = self.engine.engine.tokenizer
-        add_prompt = req.add_generation_prompt
-
-        def encode() -> list[int]:  # runs on the engine thread
-            if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-                raise ValueError("this model has no chat template")
-            try:
-                text = tokenizer.apply_chat_template(
-                    conversation, tokenize=False, add_generation_prompt=add_prompt
-                )
-            except Exception as exc:
-                raise ValueError(f"cannot apply the chat template: {exc}") from None
-            return list(tokenizer.encode(text, add_special_tokens=False))
-
-        stream, tracker = await submit(
-            self.engine, self.metrics, rid, encode, params, time.monotonic(), "messages"
-        )
+        with request_fields(req.param_names()):
+            req.check()
+            params = req.sampling_params()
+            ids = await self.encoder.chat(req.conversation(), req.add_generation_prompt)
+            gen = await submit(self.engine, self.metrics, rid, [ids], params, arrival)
         k = (req.top_logprobs or 0) if req.logprobs else None
 
         def lps(d: Delta) -> dict[str, Any] | None:
@@ -149,7 +155,7 @@ class Serving:
         if req.stream:
             started: set[int] = set()
 
-            def chunks(out: RequestOutput) -> Iterable[dict[str, Any]]:
+            def chunks(_: int, out: RequestOutput) -> Iterable[dict[str, Any]]:
                 for d in deltas.deltas(out):
                     if d.index not in started:
                         started.add(d.index)
@@ -174,8 +180,8 @@ class Serving:
                             None,
                         )
 
-            return sse_response(stream, tracker, chunks, self._usage_chunk(req.include_usage, body))
-        final = await self._final(raw, stream, tracker)
+            return sse_response(gen, chunks, self._usage_chunk(req.include_usage, body))
+        finals = await self._final(raw, gen)
         choices = [
             {
                 "index": d.index,
@@ -183,9 +189,9 @@ class Serving:
                 "logprobs": lps(d),
                 "finish_reason": d.finish_reason,
             }
-            for d in deltas.deltas(final)
+            for d in deltas.deltas(finals[0])
         ]
-        return JSONResponse(body(choices, usage_of(final), "chat.completion"))
+        return JSONResponse(body(choices, usage_of(finals), "chat.completion"))
 
     def _chat_logprobs(self, d: Delta, k: int) -> list[dict[str, Any]]:
         content = []
@@ -213,26 +219,16 @@ class Serving:
     @staticmethod
     def _usage_chunk(
         include: bool, body: Callable[..., dict[str, Any]]
-    ) -> Callable[[RequestOutput], Iterable[dict[str, Any]]]:
-        def last(final: RequestOutput) -> Iterable[dict[str, Any]]:
+    ) -> Callable[[list[RequestOutput]], Iterable[dict[str, Any]]]:
+        def last(finals: list[RequestOutput]) -> Iterable[dict[str, Any]]:
             if include:
-                yield body([], usage_of(final))
+                yield body([], usage_of(finals))
 
         return last
 
     @staticmethod
-    async def _final(raw: Request, stream: Any, tracker: Any) -> RequestOutput:
+    async def _final(raw: Request, gen: Generation) -> list[RequestOutput]:
         try:
-            return await collect(raw, stream, tracker)
+            return await collect(raw, gen)
         except ClientDisconnected:
             raise APIError(499, "client closed the request", code="client_closed") from None
-
-
-def _sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
-    try:
-        return make()
-    except ValueError as exc:
-        message = str(exc)
-        raise APIError(
-            400, message, param=message.split(" ", 1)[0], code="invalid_sampling_params"
-        ) from None

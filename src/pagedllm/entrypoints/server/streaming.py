@@ -1,10 +1,11 @@
 """Generation plumbing shared by the completion and chat endpoints.
 
-`submit` queues a request (engine errors become OpenAI errors), `collect` waits for the
-final output while watching for the client to hang up, `sse_response` streams chunks as
-Server-Sent Events, and `DeltaTracker` turns the engine's cumulative outputs into deltas.
-Whatever way a request ends early (disconnect, cancellation), it is aborted and its KV
-blocks go back to the pool.
+`submit` queues the engine requests of one HTTP request (one per prompt) as a
+`Generation`, `collect` waits for their final outputs while watching for the client to
+hang up, `sse_response` streams chunks as Server-Sent Events, and `DeltaTracker` turns the
+engine's cumulative outputs into deltas. Whatever way a request ends early (disconnect,
+cancellation, a failure), all of its engine requests are aborted and their KV blocks go
+back to the pool.
 """
 
 from __future__ import annotations
@@ -37,33 +38,51 @@ class ClientDisconnected(Exception):
     """The client hung up before the response was ready."""
 
 
+@dataclass
+class Generation:
+    """The engine requests of one HTTP request: one stream for all, a metrics tracker
+    for each, and each one's position among the request's prompts."""
+
+    stream: RequestStream
+    trackers: dict[str, RequestTracker]
+    positions: dict[str, int]
+
+    def on_output(self, out: RequestOutput) -> int:
+        """Record the output; the position of its prompt."""
+        self.trackers[out.request_id].on_output(out)
+        return self.positions[out.request_id]
+
+    def end(self, reason: str) -> None:
+        """Abort what has not finished and count it ("abort" or "error")."""
+        self.stream.abort()
+        for tracker in self.trackers.values():
+            tracker.finish(reason)  # a no-op for requests that finished
+
+
 async def submit(
     engine: AsyncLLMEngine,
     metrics: ServerMetrics,
     request_id: str,
-    prompt: str | Sequence[int] | Callable[[], str | Sequence[int]],
+    prompts: Sequence[list[int]],
     params: SamplingParams,
     arrival: float,
-    prompt_field: str,
-) -> tuple[RequestStream, RequestTracker]:
+) -> Generation:
+    """Queue one engine request per prompt, all or none. InvalidParameterError (a bad
+    request) passes through for the caller to map to its fields."""
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
-        stream = await engine.add_request(request_id, prompt, params)
+        stream = await engine.add_requests(
+            [(rid, prompt, params) for rid, prompt in zip(ids, prompts, strict=True)]
+        )
     except EngineOverloadedError as exc:
         raise APIError(
             503, str(exc), code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
         ) from None
-    except ValueError as exc:
-        message = str(exc)
-        if "max_model_len" in message:
-            raise APIError(
-                400,
-                f"the prompt is too long for the model's context: {message}",
-                param=prompt_field,
-                code="context_length_exceeded",
-            ) from None
-        param = prompt_field if "prompt" in message else None
-        raise APIError(400, message, param=param) from None
-    return stream, metrics.tracker(arrival)
+    return Generation(
+        stream,
+        {rid: metrics.tracker(arrival) for rid in ids},
+        {rid: i for i, rid in enumerate(ids)},
+    )
 
 
 def failure(exc: RequestFailedError) -> APIError:
@@ -75,18 +94,15 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def collect(
-    request: Request, stream: RequestStream, tracker: RequestTracker
-) -> RequestOutput:
-    """The request's final output; ClientDisconnected (request aborted) if the client left."""
+async def collect(request: Request, gen: Generation) -> list[RequestOutput]:
+    """The final output of each prompt, in order; ClientDisconnected (everything
+    aborted) if the client left first."""
 
-    async def consume() -> RequestOutput:
-        final = None
-        async for out in stream:
-            tracker.on_output(out)
-            final = out
-        assert final is not None
-        return final
+    async def consume() -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for out in gen.stream:
+            finals[gen.on_output(out)] = out
+        return [finals[i] for i in sorted(finals)]
 
     task = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_wait_disconnect(request))
@@ -94,16 +110,15 @@ async def collect(
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        if not task.done():  # the client left, or this handler was cancelled
             task.cancel()
-            stream.abort()
-            tracker.finish("abort")
-    if task.cancelled():
+            gen.end("abort")
+    if not task.done():  # cancelled above: it is still unwinding, without a result
         raise ClientDisconnected()
     try:
         return task.result()
     except RequestFailedError as exc:
-        tracker.finish("error")
+        gen.end("error")
         raise failure(exc) from None
 
 
@@ -126,35 +141,33 @@ class _SSEResponse(StreamingResponse):
 
 
 def sse_response(
-    stream: RequestStream,
-    tracker: RequestTracker,
-    chunks_of: Callable[[RequestOutput], Iterable[dict[str, Any]]],
-    last_chunks: Callable[[RequestOutput], Iterable[dict[str, Any]]],
+    gen: Generation,
+    chunks_of: Callable[[int, RequestOutput], Iterable[dict[str, Any]]],
+    last_chunks: Callable[[list[RequestOutput]], Iterable[dict[str, Any]]],
 ) -> StreamingResponse:
-    """`data: {chunk}` per output, the final chunks, then `data: [DONE]`."""
+    """`data: {chunk}` per output (with its prompt's position), the final chunks (given
+    every prompt's final output, in order), then `data: [DONE]`."""
     state = {"ended": False}
 
     async def events() -> AsyncIterator[str]:
-        final = None
+        finals: dict[int, RequestOutput] = {}
         try:
-            async for out in stream:
-                tracker.on_output(out)
-                final = out
-                for chunk in chunks_of(out):
+            async for out in gen.stream:
+                position = gen.on_output(out)
+                finals[position] = out
+                for chunk in chunks_of(position, out):
                     yield f"data: {json.dumps(chunk)}\n\n"
-            if final is not None:
-                for chunk in last_chunks(final):
-                    yield f"data: {json.dumps(chunk)}\n\n"
+            for chunk in last_chunks([finals[i] for i in sorted(finals)]):
+                yield f"data: {json.dumps(chunk)}\n\n"
         except RequestFailedError as exc:
-            tracker.finish("error")
+            gen.end("error")
             yield f"data: {json.dumps(failure(exc).body())}\n\n"
         state["ended"] = True
         yield "data: [DONE]\n\n"
 
     def on_close() -> None:
         if not state["ended"]:
-            stream.abort()
-            tracker.finish("abort")
+            gen.end("abort")
 
     return _SSEResponse(events(), on_close)
 
@@ -185,23 +198,26 @@ class DeltaTracker:
         self.holdback = max((len(s) for s in stops), default=1) - 1
         self.sent: dict[int, _Sent] = {}
 
-    def deltas(self, out: RequestOutput) -> list[Delta]:
+    def deltas(self, out: RequestOutput, first_index: int = 0) -> list[Delta]:
+        """The new part of each choice; choice `c.index` of this prompt is choice
+        `first_index + c.index` of the response (prompt i of a batch starts at i * n)."""
         result = []
         for c in out.outputs:
-            sent = self.sent.setdefault(c.index, _Sent())
+            index = first_index + c.index
+            sent = self.sent.setdefault(index, _Sent())
             if sent.finished:
                 continue
-            result.append(self._delta(c, sent))
+            result.append(self._delta(index, c, sent))
         return result
 
-    def _delta(self, c: CompletionOutput, sent: _Sent) -> Delta:
+    def _delta(self, index: int, c: CompletionOutput, sent: _Sent) -> Delta:
         done = c.finish_reason is not None
         end = len(c.text) if done else max(sent.text, len(c.text) - self.holdback)
         text = c.text[sent.text : end]
         n = len(c.token_ids)
         lps = c.logprobs[sent.tokens : n] if c.logprobs is not None else None
         delta = Delta(
-            c.index, text, c.token_ids[sent.tokens : n], lps, _finish_reason(c.finish_reason)
+            index, text, c.token_ids[sent.tokens : n], lps, _finish_reason(c.finish_reason)
         )
         sent.text, sent.tokens, sent.finished = end, n, done
         return delta
@@ -211,9 +227,10 @@ def _finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def usage_of(out: RequestOutput) -> dict[str, int]:
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
+def usage_of(finals: Sequence[RequestOutput]) -> dict[str, int]:
+    """Token counts summed over the prompts of a request."""
+    prompt = sum(len(out.prompt_token_ids) for out in finals)
+    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

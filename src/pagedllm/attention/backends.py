@@ -1,0 +1,87 @@
+"""Choosing the attention backend, once, at start.
+
+`auto` takes the fastest backend that can serve the configuration: the compiled kernel
+on a CPU, the Triton kernels on a CUDA device, and the pure-torch reference when neither
+can run here (one warning line saying why). A backend asked for by name that cannot
+serve the configuration (device, head size, a failed build) is an error naming the
+option.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from pagedllm.attention.cpu_kernel import KernelUnavailableError
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.reference import ReferenceAttention
+from pagedllm.errors import InvalidParameterError
+
+logger = logging.getLogger("pagedllm")
+
+
+class AttentionBackend(Protocol):
+    name: str
+    needs_groups: bool  # whether it reads the reference's padded groups in the metadata
+    query_tile: int | None  # the query tile of its programs, if it wants a tile map
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+def _cpu(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> AttentionBackend:
+    """The compiled CPU kernel; raises ValueError or KernelUnavailableError with the reason."""
+    from pagedllm.attention.cpu import CpuPagedAttention
+    from pagedllm.attention.cpu_kernel import load_cpu_kernel
+
+    if device.type != "cpu":
+        raise ValueError(f"it runs on the CPU, not on {device}")
+    if head_dim % 8:
+        raise ValueError(f"it needs head_dim to be a multiple of 8 (this model's is {head_dim})")
+    return CpuPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, load_cpu_kernel())
+
+
+def _triton(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> AttentionBackend:
+    """The Triton kernels: on a CUDA device, or on the CPU under Triton's interpreter."""
+    from pagedllm.attention.triton_backend import INTERPRETED, TritonPagedAttention
+
+    if device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"it needs a CUDA device (or TRITON_INTERPRET=1), not {device}")
+
+    return TritonPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, device)
+
+
+def select_attention(
+    name: str, heads: int, kv_heads: int, head_dim: int, device: torch.device
+) -> AttentionBackend:
+    """The backend `name` (auto, reference, cpu or triton) for this model and device."""
+    reference = ReferenceAttention(heads, kv_heads, head_dim, head_dim**-0.5)
+    if name == "reference":
+        return reference
+    builders = {"cpu": _cpu, "triton": _triton}
+    if name == "auto":
+        choice = "triton" if device.type == "cuda" else "cpu"
+        try:
+            return builders[choice](heads, kv_heads, head_dim, device)
+        except (ValueError, KernelUnavailableError, ImportError) as exc:  # not here
+            logger.warning(
+                "attention backend: the %s kernel cannot run here (%s); using the reference",
+                choice,
+                exc,
+            )
+            return reference
+    try:
+        return builders[name](heads, kv_heads, head_dim, device)
+    except (ValueError, KernelUnavailableError, ImportError) as exc:
+        raise InvalidParameterError(
+            "attention_backend", f"attention_backend={name!r} cannot serve this model: {exc}"
+        ) from exc

@@ -1,0 +1,59 @@
+"""The compiled CPU backend: paged attention that follows the block table in place.
+
+Same interface as the reference backend: write the step's new K/V into their slots,
+then one kernel call attends the whole flat batch (decode and chunked-prefill rows) by
+reading K/V through the block tables, with no gather into a contiguous copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.reference import write_kv
+
+
+class CpuPagedAttention:
+    name = "cpu"
+    needs_groups = False
+    query_tile: int | None = None
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        op: Callable[..., None],
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.op = op
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [T, heads, head_dim]
+        key: torch.Tensor,  # [T, kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        q = query.float().contiguous()  # the kernel computes in fp32 whatever the model dtype
+        out = torch.empty_like(q)
+        self.op(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.context_lens,
+            self.scale,
+        )
+        return out.to(query.dtype)

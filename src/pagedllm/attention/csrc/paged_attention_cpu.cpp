@@ -1,0 +1,462 @@
+// Paged attention on the CPU: reads K/V through the block table while it computes.
+//
+// One call covers a layer's whole flat batch: decode rows and chunked-prefill rows
+// (causal inside the chunk, full over the cached context). A work item is one sequence,
+// one KV head and a tile of query rows; the query heads that share the KV head are
+// processed together, so each K/V row is read once for all of them. Keys are visited in
+// chunks of up to 16, gathered through the block table into a small fp32 tile (converting
+// half-precision caches on load), with an online softmax and fp32 accumulators. When a
+// batch has fewer work items than threads, decode items are split along the context and
+// the splits merged by log-sum-exp. Threads come from torch's own pool (at::parallel_for).
+//
+// Requires AVX2, FMA and F16C; head_dim must be a multiple of 8.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kKeyChunk = 16;   // keys per inner step
+constexpr int kQueryTile = 16;  // query rows (tokens) per prefill work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kKeyChunk == 16, "score rows are handled as two 8-float vectors");
+
+// ------------------------------------------------------------------ vector helpers
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for 8 floats (Cephes' range reduction and polynomial, ~1 ulp); -inf gives 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 is_neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  __m256 pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(n, 23));
+  return _mm256_andnot_ps(is_neg_inf, _mm256_mul_ps(y, pow2n));
+}
+
+inline float dot(const float* a, const float* b, int d) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= d; i += 16) {
+    s0 = _mm256_fmadd_ps(load8(a + i), load8(b + i), s0);
+    s1 = _mm256_fmadd_ps(load8(a + i + 8), load8(b + i + 8), s1);
+  }
+  if (i < d) s0 = _mm256_fmadd_ps(load8(a + i), load8(b + i), s0);
+  return hsum(_mm256_add_ps(s0, s1));
+}
+
+// ------------------------------------------------------------------ the problem
+struct Problem {
+  const float* query;  // [T, H, D], pre-scaled copy not needed: the scale is applied to scores
+  float* out;          // [T, H, D]
+  const void* k_cache;  // [num_blocks, block_size, KVH, D]
+  const void* v_cache;
+  const int64_t* block_tables;  // [B, max_blocks]
+  const int64_t* query_start;   // [B + 1]
+  const int64_t* context_lens;  // [B]
+  int64_t max_blocks;
+  int block_size;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  float scale;
+};
+
+// One unit of work: sequence b, KV heads [g0, g1), query rows [row0, row0 + rows), keys
+// [key_begin, key_end). Decode rows take all KV heads at once, so that each block is
+// read front to back; prefill tiles take one head (they are compute-bound and many).
+// `partial` >= 0 marks one split of a decode row: its unnormalised result goes to the
+// partial buffers instead of `out`.
+struct WorkItem {
+  int64_t b;
+  int g0, g1;
+  int64_t row0;
+  int rows;
+  int64_t key_begin;
+  int64_t key_end;
+  int64_t partial;
+};
+
+// Per-thread scratch, query vectors ordered (head, row, head of the group).
+struct Scratch {
+  std::vector<float> q;     // [M, D] queries, times the scale
+  std::vector<float> acc;   // [M, D]
+  std::vector<float> m, l;  // [M] running max and sum
+  std::vector<float> s;     // [M, kKeyChunk] scores, then probabilities
+  std::vector<float> k, v;  // [kKeyChunk, D] rows converted from a half-precision cache
+  std::vector<float> kt;    // [D, kKeyChunk] transposed keys (large tiles)
+  void reserve(int max_m, int d) {
+    q.resize(max_m * d);
+    acc.resize(max_m * d);
+    m.resize(max_m);
+    l.resize(max_m);
+    s.resize(max_m * kKeyChunk);
+    k.resize(kKeyChunk * d);
+    v.resize(kKeyChunk * d);
+    kt.resize(d * kKeyChunk);
+  }
+};
+
+template <typename T>
+inline const float* row_as_float(const T* src, float* dst, int d) {
+  for (int i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  return dst;
+}
+inline const float* row_as_float(const float* src, float*, int) { return src; }
+
+// Scores s[m, j] = q_m . k_j for M query vectors and n keys.
+inline void scores(const float* q, const float* const* krow, int M, int n, int d, float* s,
+                   float* kt) {
+  if (M < 8) {  // decode: a few dot products per key
+    for (int j = 0; j < n; ++j)
+      for (int m = 0; m < M; ++m) s[m * kKeyChunk + j] = dot(q + m * d, krow[j], d);
+    return;
+  }
+  // Larger tiles: transpose the keys once, then 4 queries x 16 keys per register block.
+  for (int j = 0; j < kKeyChunk; ++j)
+    for (int i = 0; i < d; ++i) kt[i * kKeyChunk + j] = j < n ? krow[j][i] : 0.0f;
+  int m = 0;
+  for (; m + 4 <= M; m += 4) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    const float* qm = q + m * d;
+    for (int i = 0; i < d; ++i) {
+      const __m256 k0 = _mm256_loadu_ps(kt + i * kKeyChunk);
+      const __m256 k1 = _mm256_loadu_ps(kt + i * kKeyChunk + 8);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(qm + r * d + i);
+        a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      _mm256_storeu_ps(s + (m + r) * kKeyChunk, a[r][0]);
+      _mm256_storeu_ps(s + (m + r) * kKeyChunk + 8, a[r][1]);
+    }
+  }
+  for (; m < M; ++m)
+    for (int j = 0; j < n; ++j) s[m * kKeyChunk + j] = dot(q + m * d, krow[j], d);
+}
+
+// acc[c:c+8W] += sum_j p[j] * v_j[c:c+8W], the W accumulators held in registers (W is a
+// compile-time constant so that the compiler can keep them there).
+template <int W>
+inline void accumulate_span(float* acc, const float* p, const float* const* vrow, int n, int c) {
+  __m256 a[W];
+  for (int i = 0; i < W; ++i) a[i] = _mm256_loadu_ps(acc + c + 8 * i);
+  for (int j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = vrow[j] + c;
+    for (int i = 0; i < W; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+  }
+  for (int i = 0; i < W; ++i) _mm256_storeu_ps(acc + c + 8 * i, a[i]);
+}
+
+// acc += sum_j p[j] * v_j over the head dimension: 64 dims at a time, then the rest.
+inline void accumulate(float* acc, const float* p, const float* const* vrow, int n, int d) {
+  int c = 0;
+  for (; c + 64 <= d; c += 64) accumulate_span<8>(acc, p, vrow, n, c);
+  for (; c < d; c += 8) accumulate_span<1>(acc, p, vrow, n, c);
+}
+
+// The online-softmax update of query vector m with this chunk's scores `sm` (visible
+// keys first, the rest masked), then acc += p . V.
+inline void softmax_step(Scratch& sc, int m, float* sm, int visible, const float* const* vrow,
+                         int d) {
+  for (int j = visible; j < kKeyChunk; ++j) sm[j] = kNegInf;
+  const float chunk_max = std::max(hmax(_mm256_loadu_ps(sm)), hmax(_mm256_loadu_ps(sm + 8)));
+  const float m_new = std::max(sc.m[m], chunk_max);
+  const __m256 mv = _mm256_set1_ps(m_new);
+  const __m256 p0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(sm), mv));
+  const __m256 p1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(sm + 8), mv));
+  _mm256_storeu_ps(sm, p0);
+  _mm256_storeu_ps(sm + 8, p1);
+  float* am = sc.acc.data() + m * d;
+  if (m_new != sc.m[m]) {
+    const float alpha = sc.m[m] == kNegInf ? 0.0f : std::exp(sc.m[m] - m_new);
+    const __m256 av = _mm256_set1_ps(alpha);
+    for (int x = 0; x < d; x += 8) _mm256_storeu_ps(am + x, _mm256_mul_ps(av, _mm256_loadu_ps(am + x)));
+    sc.l[m] *= alpha;
+    sc.m[m] = m_new;
+  }
+  sc.l[m] += hsum(_mm256_add_ps(p0, p1));
+  accumulate(am, sm, vrow, visible, d);
+}
+
+inline void prefetch_rows(const char* first, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(first + off, _MM_HINT_T1);
+}
+
+template <typename T>
+void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial_acc,
+              float* partial_ml) {
+  const int d = pb.head_dim;
+  const int group = pb.num_heads / pb.num_kv_heads;
+  const int per_head = it.rows * group;  // query vectors of one KV head
+  const int M = per_head * (it.g1 - it.g0);
+  const int64_t q0 = pb.query_start[it.b];
+  const int64_t q_len = pb.query_start[it.b + 1] - q0;
+  const int64_t first_pos = pb.context_lens[it.b] - q_len;  // position of query row 0
+  const T* kc = static_cast<const T*>(pb.k_cache);
+  const T* vc = static_cast<const T*>(pb.v_cache);
+  const int64_t* table = pb.block_tables + it.b * pb.max_blocks;
+  const int64_t token_stride = static_cast<int64_t>(pb.num_kv_heads) * d;
+  const int64_t block_stride = token_stride * pb.block_size;
+
+  // Vector (head g, row r, i): query[q0 + row0 + r, g * group + i], times the scale.
+  for (int g = it.g0; g < it.g1; ++g)
+    for (int r = 0; r < it.rows; ++r)
+      for (int i = 0; i < group; ++i) {
+        const float* src = pb.query + ((q0 + it.row0 + r) * pb.num_heads + g * group + i) * d;
+        float* dst = sc.q.data() + ((g - it.g0) * per_head + r * group + i) * d;
+        for (int x = 0; x < d; ++x) dst[x] = src[x] * pb.scale;
+      }
+  std::fill(sc.acc.begin(), sc.acc.begin() + M * d, 0.0f);
+  std::fill(sc.m.begin(), sc.m.begin() + M, kNegInf);
+  std::fill(sc.l.begin(), sc.l.begin() + M, 0.0f);
+
+  // Causal: row r (position first_pos + row0 + r) sees keys up to its own position.
+  const int64_t key_end = std::min(it.key_end, first_pos + it.row0 + it.rows);
+  const int64_t heads_bytes = static_cast<int64_t>(it.g1 - it.g0) * d * sizeof(T);
+  const float* krow[kKeyChunk];
+  const float* vrow[kKeyChunk];
+  int64_t k0 = it.key_begin;
+  while (k0 < key_end) {
+    // A chunk never crosses a block boundary: its rows sit at one stride in one block.
+    const int64_t in_block = k0 % pb.block_size;
+    const int n = static_cast<int>(
+        std::min<int64_t>({kKeyChunk, key_end - k0, pb.block_size - in_block}));
+    const int64_t base = table[k0 / pb.block_size] * block_stride + in_block * token_stride;
+    const int64_t next = k0 + n;
+    if (next < key_end) {  // the next chunk may sit anywhere in the pool: fetch it early
+      const int64_t nb = table[next / pb.block_size] * block_stride +
+                         (next % pb.block_size) * token_stride + it.g0 * d;
+      const int nn = static_cast<int>(std::min<int64_t>(kKeyChunk, pb.block_size - next % pb.block_size));
+      for (int j = 0; j < nn; ++j) {
+        prefetch_rows(reinterpret_cast<const char*>(kc + nb + j * token_stride), heads_bytes);
+        prefetch_rows(reinterpret_cast<const char*>(vc + nb + j * token_stride), heads_bytes);
+      }
+    }
+    for (int g = it.g0; g < it.g1; ++g) {
+      const int64_t head_base = base + g * d;
+      for (int j = 0; j < n; ++j) {
+        krow[j] = row_as_float(kc + head_base + j * token_stride, sc.k.data() + j * d, d);
+        vrow[j] = row_as_float(vc + head_base + j * token_stride, sc.v.data() + j * d, d);
+      }
+      const int mg = (g - it.g0) * per_head;
+      float* s = sc.s.data() + mg * kKeyChunk;
+      scores(sc.q.data() + mg * d, krow, per_head, n, d, s, sc.kt.data());
+      for (int r = 0; r < it.rows; ++r) {
+        const int64_t visible = std::min<int64_t>(n, first_pos + it.row0 + r + 1 - k0);
+        if (visible <= 0) continue;  // the row's position is before this chunk
+        for (int i = 0; i < group; ++i) {
+          const int m = mg + r * group + i;
+          softmax_step(sc, m, sc.s.data() + m * kKeyChunk, static_cast<int>(visible), vrow, d);
+        }
+      }
+    }
+    k0 = next;
+  }
+
+  for (int g = it.g0; g < it.g1; ++g)
+    for (int r = 0; r < it.rows; ++r)
+      for (int i = 0; i < group; ++i) {
+        const int m = (g - it.g0) * per_head + r * group + i;
+        const float* am = sc.acc.data() + m * d;
+        if (it.partial >= 0) {  // a split: keep max, sum and the unnormalised accumulator
+          std::copy(am, am + d, partial_acc + (it.partial * M + m) * d);
+          partial_ml[(it.partial * M + m) * 2] = sc.m[m];
+          partial_ml[(it.partial * M + m) * 2 + 1] = sc.l[m];
+          continue;
+        }
+        float* dst = pb.out + ((q0 + it.row0 + r) * pb.num_heads + g * group + i) * d;
+        const float inv = sc.l[m] > 0.0f ? 1.0f / sc.l[m] : 0.0f;
+        for (int x = 0; x < d; ++x) dst[x] = am[x] * inv;
+      }
+}
+
+// A split decode row: its item, its first partial slot and how many splits it has.
+struct Merge {
+  int64_t item;
+  int64_t first;
+  int64_t parts;
+};
+
+template <typename T>
+void run(const Problem& pb, int64_t num_seqs) {
+  const int group = pb.num_heads / pb.num_kv_heads;
+  const int d = pb.head_dim;
+  std::vector<WorkItem> items;
+  std::vector<int64_t> decode_items;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = pb.query_start[b + 1] - pb.query_start[b];
+    const int64_t ctx = pb.context_lens[b];
+    if (q_len == 1) {
+      decode_items.push_back(static_cast<int64_t>(items.size()));
+      items.push_back({b, 0, pb.num_kv_heads, 0, 1, 0, ctx, -1});
+      continue;
+    }
+    for (int g = 0; g < pb.num_kv_heads; ++g)
+      for (int64_t r = 0; r < q_len; r += kQueryTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, q_len - r));
+        items.push_back({b, g, g + 1, r, rows, 0, ctx, -1});
+      }
+  }
+  // Fewer items than threads can keep busy: split decode rows along their context (at
+  // least 256 keys a split, so the merge stays cheap).
+  const int64_t threads = at::get_num_threads();
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int M = pb.num_heads;  // query vectors of a decode row
+  std::vector<float> partial_acc, partial_ml;
+  std::vector<Merge> merges;
+  if (!decode_items.empty() && num_items < 2 * threads) {
+    const int64_t want = (2 * threads + num_items - 1) / num_items;
+    int64_t next = 0;
+    for (int64_t idx : decode_items) {
+      const WorkItem whole = items[idx];
+      const int64_t parts = std::min<int64_t>(want, whole.key_end / 256);
+      if (parts < 2) continue;
+      const int64_t step = (whole.key_end + parts - 1) / parts;
+      merges.push_back({idx, next, parts});
+      for (int64_t p = 0; p < parts; ++p) {
+        WorkItem part = whole;
+        part.key_begin = p * step;
+        part.key_end = std::min(whole.key_end, (p + 1) * step);
+        part.partial = next++;
+        if (p == 0) items[idx] = part; else items.push_back(part);
+      }
+    }
+    partial_acc.resize(next * M * d);
+    partial_ml.resize(next * M * 2);
+  }
+  // Costliest items first, handed out one at a time: causal prefill tiles differ a lot.
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  auto cost = [&](int64_t i) {
+    const WorkItem& w = items[i];
+    return w.rows * (w.g1 - w.g0) * (w.key_end - w.key_begin);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
+  const int max_m = std::max(kQueryTile * group, M);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc;
+    sc.reserve(max_m, d);
+    for (int64_t w = begin; w < end; ++w)
+      for (int64_t i = next_item++; i < static_cast<int64_t>(order.size()); i = next_item++)
+        run_item<T>(pb, items[order[i]], sc, partial_acc.data(), partial_ml.data());
+  });
+  // Merge the splits of each decode row by log-sum-exp.
+  for (const Merge& mg : merges) {
+    const int64_t row = pb.query_start[items[mg.item].b];
+    for (int m = 0; m < M; ++m) {  // query head m of the row
+      auto ml = [&](int64_t p, int k) { return partial_ml[((mg.first + p) * M + m) * 2 + k]; };
+      float m_all = kNegInf;
+      for (int64_t p = 0; p < mg.parts; ++p) m_all = std::max(m_all, ml(p, 0));
+      float* dst = pb.out + (row * pb.num_heads + m) * d;
+      std::fill(dst, dst + d, 0.0f);
+      float l_all = 0.0f;
+      for (int64_t p = 0; p < mg.parts; ++p) {
+        if (ml(p, 0) == kNegInf) continue;
+        const float w = std::exp(ml(p, 0) - m_all);
+        l_all += w * ml(p, 1);
+        const float* src = partial_acc.data() + ((mg.first + p) * M + m) * d;
+        for (int x = 0; x < d; ++x) dst[x] += w * src[x];
+      }
+      const float inv = l_all > 0.0f ? 1.0f / l_all : 0.0f;
+      for (int x = 0; x < d; ++x) dst[x] *= inv;
+    }
+  }
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "query and out must be float32");
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && block_tables.is_contiguous(),
+              "tensors must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong,
+              "block tables, query_start_loc and context_lens must be int64");
+  TORCH_CHECK(k_cache.dim() == 4 && query.dim() == 3, "expected k_cache [N, BS, KVH, D] and query [T, H, D]");
+  Problem pb;
+  pb.query = query.data_ptr<float>();
+  pb.out = out.data_ptr<float>();
+  pb.k_cache = k_cache.data_ptr();
+  pb.v_cache = v_cache.data_ptr();
+  pb.block_tables = block_tables.data_ptr<int64_t>();
+  pb.query_start = query_start_loc.data_ptr<int64_t>();
+  pb.context_lens = context_lens.data_ptr<int64_t>();
+  pb.max_blocks = block_tables.size(1);
+  pb.block_size = static_cast<int>(k_cache.size(1));
+  pb.num_kv_heads = static_cast<int>(k_cache.size(2));
+  pb.head_dim = static_cast<int>(k_cache.size(3));
+  pb.num_heads = static_cast<int>(query.size(1));
+  pb.scale = static_cast<float>(scale);
+  TORCH_CHECK(pb.head_dim % 8 == 0, "head_dim must be a multiple of 8");
+  TORCH_CHECK(pb.num_heads % pb.num_kv_heads == 0, "heads must be a multiple of KV heads");
+  const int64_t num_seqs = context_lens.size(0);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: run<float>(pb, num_seqs); break;
+    case at::kHalf: run<c10::Half>(pb, num_seqs); break;
+    case at::kBFloat16: run<c10::BFloat16>(pb, num_seqs); break;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

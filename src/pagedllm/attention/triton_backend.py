@@ -1,0 +1,168 @@
+"""The Triton backend (the default on CUDA): launches the kernels of triton_kernels.py.
+
+A step with prompt chunks runs one kernel over the flat batch with tiles of 16 query
+tokens; a step of decodes only runs tiles of one token, and splits each context into
+parts (merged by a second kernel) when there are too few programs to fill the device.
+On a CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1), which is
+how the tests check them without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.triton_kernels import (
+    merge_splits_kernel,
+    paged_attention_kernel,
+    write_kv_kernel,
+)
+
+# Triton's interpreter emulates bfloat16 dots poorly: on a CPU every dot runs in fp32.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+QUERY_TILE = 16  # query tokens per program in steps with prompt chunks
+BLOCK_N = 32  # keys per inner step
+MIN_KEYS_PER_SPLIT = 256
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class TritonPagedAttention:
+    name = "triton"
+    needs_groups = False
+    query_tile = QUERY_TILE
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.group = num_heads // num_kv_heads
+        self.head_dim_p = _pow2(head_dim)
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            self.num_sms = props.multi_processor_count
+        else:  # the interpreter: any number exercises the same code
+            self.num_sms = 4
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [T, heads, head_dim]
+        key: torch.Tensor,  # [T, kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # The kernels take any row strides but need each head's vector contiguous.
+        query, key, value = (
+            t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value)
+        )
+        self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        tiles = meta.query_tiles
+        assert tiles is not None, "the metadata was built without query tiles"
+        decode_only = meta.max_query_len == 1
+        block_q = 1 if decode_only else QUERY_TILE
+        group_p = _pow2(self.group)
+        block_m = max(16, block_q * group_p)  # tl.dot needs at least 16 rows
+        num_tiles = tiles.shape[0]
+        splits = 1
+        if decode_only:
+            programs = num_tiles * self.num_kv_heads
+            splits = min(
+                -(-2 * self.num_sms // programs), meta.max_context_len // MIN_KEYS_PER_SPLIT
+            )
+            splits = max(1, splits)
+        keys_per_split = -(-meta.max_context_len // splits)
+        keys_per_split = -(-keys_per_split // BLOCK_N) * BLOCK_N
+        partial_acc = partial_ml = out  # unused unless split
+        if splits > 1:
+            shape = (num_tiles, self.num_kv_heads, splits, block_m)
+            partial_acc = torch.empty(
+                (*shape, self.head_dim_p), dtype=torch.float32, device=query.device
+            )
+            partial_ml = torch.empty((*shape, 2), dtype=torch.float32, device=query.device)
+        paged_attention_kernel[(num_tiles, self.num_kv_heads, splits)](
+            out,
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.context_lens,
+            tiles,
+            partial_acc,
+            partial_ml,
+            self.scale,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            meta.block_tables.stride(0),
+            k_cache.shape[1],
+            self.head_dim,
+            keys_per_split,
+            GROUP=self.group,
+            GROUP_P=group_p,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_m,
+            BLOCK_N=BLOCK_N,
+            HEAD_DIM_P=self.head_dim_p,
+            SPLIT=splits > 1,
+            DOT_FP32=query.dtype == torch.float32 or INTERPRETED,
+        )
+        if splits > 1:
+            merge_splits_kernel[(num_tiles, self.num_kv_heads)](
+                out,
+                partial_acc,
+                partial_ml,
+                tiles,
+                meta.query_start_loc,
+                out.stride(0),
+                out.stride(1),
+                self.head_dim,
+                splits,
+                GROUP=self.group,
+                GROUP_P=group_p,
+                BLOCK_M=block_m,
+                HEAD_DIM_P=self.head_dim_p,
+            )
+        return out
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if key.shape[0] == 0:
+            return
+        write_kv_kernel[(key.shape[0],)](
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            self.num_kv_heads,
+            self.head_dim,
+            KV_HEADS_P=_pow2(self.num_kv_heads),
+            HEAD_DIM_P=self.head_dim_p,
+        )

@@ -1,0 +1,173 @@
+"""The one sweep runner: drive `LLMEngine.step()` over a workload and account for the KV
+pool every step, over the real model or, for a bookkeeping run, over FakeModelRunner (the
+same scheduler and block manager, no model; time in steps). Requests come at their
+arrival times; an idle clock skips to the next one. Each slot of a running sequence holds
+a token, is reserved for the request's later tokens, or is wasted (the paper's Fig. 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.bench.options import engine_kwargs
+from pagedllm.bench.output import Plot
+from pagedllm.bench.workload import BenchRequest
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.loader import LoadedModel
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.fake_runner import FakeModelRunner
+from pagedllm.worker.runner import ModelSpec
+
+SLOT_KINDS = ("tokens", "reserved", "wasted")
+SERIES = ("t", "running", "used_blocks", "utilization")  # sampled every step
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    row: dict[str, Any]  # the figures of the bench's table
+    timeline: dict[str, list[float]]  # SERIES, at most 400 points of each
+    latency: dict[str, dict[str, Any]]  # per request: arrival, first_token, finish, output_len
+
+
+def count_slots(engine: LLMEngine, final_len: dict[str, int], slots: dict[str, int]) -> int:
+    """Add the running sequences' slots by kind to `slots`; the most empty slots of one."""
+    most_empty = 0
+    for req in engine.scheduler.running:
+        for table in filter(None, map(engine.kv.tables.get, (s.seq_id for s in req.seqs))):
+            cap, stored = table.capacity, table.num_tokens
+            will_fill = max(stored, min(cap, final_len[req.request_id]))
+            slots["tokens"] += stored
+            slots["reserved"] += will_fill - stored
+            slots["wasted"] += cap - will_fill
+            most_empty = max(most_empty, cap - stored)
+    return most_empty
+
+
+def run_workload(
+    engine: LLMEngine, requests: Sequence[BenchRequest], clock: str = "wall"
+) -> SweepRun:
+    """Run every request to completion; `clock` is "wall" (seconds) or "steps"."""
+    pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
+    final_len = {str(i): r.total_len for i, r in enumerate(requests)}
+    samples: list[tuple[float, int, int, float]] = []
+    slots, most_empty = dict.fromkeys(SLOT_KINDS, 0), 0
+    first: dict[str, float] = {}
+    finish: dict[str, float] = {}
+    generated, preempted = 0, engine.scheduler.num_preemptions
+    skipped = step_seconds = 0.0  # skipped: idle time jumped over to the next arrival
+    start = time.perf_counter()
+
+    def now() -> float:
+        return skipped + (len(samples) if clock == "steps" else time.perf_counter() - start)
+
+    while pending or engine.has_unfinished_requests():
+        while pending and requests[pending[0]].arrival_time <= now():
+            r = requests[i := pending.pop(0)]
+            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0)
+            engine.add_request(str(i), list(r.prompt_token_ids), params)
+        if not engine.has_unfinished_requests():
+            skipped += requests[pending[0]].arrival_time - now()
+            continue
+        steps, t0 = engine.stats.steps, time.perf_counter()
+        outputs = engine.step()
+        step_seconds += time.perf_counter() - t0
+        if engine.stats.steps == steps:
+            raise RuntimeError("the engine made no progress with requests waiting")
+        t, done = now(), [out for out in outputs if out.finished]
+        for out in outputs:
+            first.setdefault(out.request_id, t)
+        for out in done:
+            finish[out.request_id] = t
+            generated += sum(len(c.token_ids) for c in out.outputs)
+        # The pool as the step left it before finishing requests (EngineStats' sample);
+        # requests that finished in the step still ran in it.
+        usage = engine.stats.last_usage or engine.kv.usage()
+        running = engine.scheduler.num_running_seqs + len(done)
+        samples.append((t, running, usage.used_blocks, usage.utilization))
+        most_empty = max(most_empty, count_slots(engine, final_len, slots))
+    series = dict(zip(SERIES, map(list, zip(*samples, strict=True)), strict=True))
+    n, total = len(samples), sum(slots.values())
+    row = {"system": engine.config.kv_reservation, "requests": len(requests), "steps": n}
+    row |= {"generated_tokens": generated, "kv_blocks": engine.kv.num_blocks}
+    row["preemptions"] = engine.scheduler.num_preemptions - preempted
+    row["mean_running_seqs"] = round(sum(series["running"]) / n, 2)
+    row["peak_running_seqs"] = max(series["running"])
+    row["peak_used_blocks"] = max(series["used_blocks"])
+    row["kv_utilization"] = round(sum(series["utilization"]) / n, 4)  # mean over steps
+    row |= {f"slots_{k}_frac": round(v / total, 4) if total else None for k, v in slots.items()}
+    row["max_empty_slots_per_seq"] = most_empty
+    if clock == "wall":  # with arrivals, the rates count the idle time skipped
+        row["seconds"] = round(time.perf_counter() - start, 3)
+        row["requests_per_s"] = round(len(requests) / now(), 3)
+        row["generated_tokens_per_s"] = round(generated / now(), 2)
+        row["step_ms"] = round(1000 * step_seconds / n, 2)
+    timeline = {k: [round(x, 4) for x in v[:: -(-n // 400)]] for k, v in series.items()}
+    latency = {
+        str(i): {"arrival": r.arrival_time, "output_len": r.output_len}
+        | {"first_token": first.get(str(i)), "finish": finish.get(str(i))}
+        for i, r in enumerate(requests)
+    }
+    return SweepRun(row, timeline, latency)
+
+
+def build_engine(loaded: LoadedModel, options: dict[str, Any], fake: bool = False) -> LLMEngine:
+    gc.collect()  # the previous engine's KV pool goes before this one is allocated
+    if fake:
+        spec = ModelSpec(loaded.config.vocab_size, loaded.config.max_position_embeddings)
+        return LLMEngine(EngineConfig(**options), runner=FakeModelRunner(spec, token=0))
+    engine = LLMEngine(EngineConfig(**options), loaded)
+    run_workload(engine, [BenchRequest((1, 2, 3, 4), 2)])  # first-call costs stay out of timings
+    return engine
+
+
+def wrap_attention(engine: LLMEngine) -> list[float]:
+    """Time each decoder layer's attention calls; the list's one item adds them up."""
+    total = [0.0]
+    for layer in engine.runner.model.layers:  # type: ignore[attr-defined]
+
+        def timed(*args: Any, _attention: Any = layer.attention, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = _attention(*args, **kwargs)
+            total[0] += time.perf_counter() - start
+            return out
+
+        layer.attention = timed
+    return total
+
+
+def sweep(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    requests: Sequence[BenchRequest],
+    variants: Sequence[dict[str, Any]],
+    fake: bool = False,
+    time_attention: bool = False,
+) -> list[SweepRun]:
+    """One fresh engine per variant of the command line's engine options, in turn; `fake`
+    runs over FakeModelRunner with a clock in steps."""
+    runs = []
+    for variant in variants:
+        engine = build_engine(loaded, engine_kwargs(args, loaded, **variant), fake)
+        attention = wrap_attention(engine) if time_attention else None
+        runs.append(run := run_workload(engine, requests, "steps" if fake else "wall"))
+        del engine  # its KV pool goes before the next one is allocated
+        if attention is not None:
+            run.row["attention_ms_per_step"] = round(1000 * attention[0] / run.row["steps"], 3)
+        done = f"{run.row['steps']} steps" if fake else f"{run.row['generated_tokens_per_s']} tok/s"
+        print(f"  {', '.join(f'{k}={v}' for k, v in variant.items())}: {done}", flush=True)
+    return runs
+
+
+def timeline_plots(timelines: dict[str, dict[str, list[float]]], unit: str) -> list[Plot]:
+    """KV utilisation and running sequences over time, a line per policy."""
+    lines = {k: {p: (tl["t"], tl[k]) for p, tl in timelines.items()} for k in SERIES[1:]}
+    return [
+        Plot("utilization", "KV utilisation", unit, "", lines["utilization"], ylim=(0, 1.05)),
+        Plot("running", "Requests in the batch", unit, "sequences", lines["running"]),
+    ]

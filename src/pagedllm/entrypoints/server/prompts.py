@@ -1,0 +1,52 @@
+"""Prompt token ids for server requests, computed on a tokenizer thread.
+
+Tokenizing a long prompt or applying a chat template takes a while (a 1 MB prompt, most
+of a second). On the engine thread it would stall every running stream; on the event
+loop, every connection. So it runs on a thread of its own and the engine is handed token
+ids. One thread rather than a pool: a Hugging Face fast tokenizer used by several threads
+at once can fail ("Already borrowed"), and one thread already keeps both loops free.
+The rules (valid Unicode, the chat template) are the offline API's: `engine.prompts`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from pagedllm.engine.prompts import encode_chat, encode_text
+
+T = TypeVar("T")
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._pool: ThreadPoolExecutor | None = None  # started at first use, again after close
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def prompts(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt: text is tokenized, token ids pass through (the
+        engine checks them against the vocabulary)."""
+        tokenizer = self.tokenizer
+
+        def encode() -> list[list[int]]:
+            return [encode_text(tokenizer, p) if isinstance(p, str) else p for p in prompts]
+
+        return await self._run(encode)
+
+    async def chat(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool
+    ) -> list[int]:
+        tokenizer = self.tokenizer
+        return await self._run(lambda: encode_chat(tokenizer, conversation, add_generation_prompt))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

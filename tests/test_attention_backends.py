@@ -1,0 +1,140 @@
+"""Every faster attention backend equals the reference on random flat batches: decode
+rows and chunked prefill mixed, shuffled blocks, contexts ending mid-block, stale values
+and NaN in unused slots, block sizes 1 to 32, GQA 1:1 to 4:1, head_dim 64 and 128,
+float32 and half-precision KV caches. Also: the backend choice and its fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attention_cases import Case, make_case
+from hf_oracle import make_tiny_model
+from pagedllm.attention.backends import select_attention
+from pagedllm.attention.cpu import CpuPagedAttention
+from pagedllm.attention.cpu_kernel import load_cpu_kernel, missing_cpu_features
+from pagedllm.attention.reference import ReferenceAttention
+from pagedllm.errors import InvalidParameterError
+
+needs_cpu_kernel = pytest.mark.skipif(
+    bool(missing_cpu_features()), reason=f"this CPU lacks {missing_cpu_features()}"
+)
+HALF = (torch.float16, torch.bfloat16)
+
+
+def run_both(case: Case, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """The reference's and the CPU kernel's outputs, and their caches after the write."""
+    d = case.query.shape[-1]
+    k_ref, v_ref = case.fresh_caches()
+    k_cpu, v_cpu = case.fresh_caches()
+    ref = ReferenceAttention(heads, kv_heads, d, case.scale)
+    cpu = CpuPagedAttention(heads, kv_heads, d, case.scale, load_cpu_kernel())
+    expected = ref(case.query, case.key, case.value, k_ref, v_ref, case.meta)
+    got = cpu(case.query, case.key, case.value, k_cpu, v_cpu, case.meta)
+    return expected, got, k_ref, k_cpu, v_ref, v_cpu
+
+
+shapes = st.lists(
+    st.tuples(
+        st.integers(0, 300), st.one_of(st.just(1), st.just(1), st.integers(1, 40))
+    ),  # (cached, new): mostly decodes
+    min_size=1,
+    max_size=6,
+)
+
+
+@needs_cpu_kernel
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shapes=shapes,
+    block_size=st.sampled_from([1, 8, 16, 32]),
+    gqa=st.sampled_from([(4, 4), (9, 3), (8, 2)]),
+    head_dim=st.sampled_from([64, 128]),
+    cache_dtype=st.sampled_from([torch.float32, *HALF]),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_kernel_equals_reference(shapes, block_size, gqa, head_dim, cache_dtype, seed) -> None:
+    heads, kv_heads = gqa
+    case = make_case(
+        shapes,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        seed=seed,
+        cache_dtype=cache_dtype,
+    )
+    expected, got, k_ref, k_cpu, v_ref, v_cpu = run_both(case, heads, kv_heads)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_cpu.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_cpu.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", HALF)
+def test_cpu_kernel_with_a_half_precision_model(dtype: torch.dtype) -> None:
+    shapes = [(37, 1), (0, 19), (120, 1), (16, 9)]
+    case = make_case(shapes, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    expected, got, *_ = run_both(case, 8, 2)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_cpu_kernel
+def test_long_decodes_split_along_the_context_merge_exactly() -> None:
+    """Few, long decode rows: the kernel splits each context across threads."""
+    torch.set_num_threads(2)
+    case = make_case([(3000, 1)], heads=9, kv_heads=3, head_dim=64, block_size=16)
+    expected, got, *_ = run_both(case, 9, 3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_cpu_kernel
+def test_the_kernel_shares_torchs_openmp_runtime() -> None:
+    load_cpu_kernel()
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_backend_choice_and_errors_naming_the_option() -> None:
+    cpu = torch.device("cpu")
+    assert select_attention("reference", 4, 2, 64, cpu).name == "reference"
+    expected = "reference" if missing_cpu_features() else "cpu"
+    assert select_attention("auto", 4, 2, 64, cpu).name == expected
+    # head_dim 12 is not a multiple of 8: auto falls back, a named backend is an error.
+    assert select_attention("auto", 4, 2, 12, cpu).name == "reference"
+    with pytest.raises(InvalidParameterError, match="multiple of 8") as info:
+        select_attention("cpu", 4, 2, 12, cpu)
+    assert info.value.param == "attention_backend"
+    with pytest.raises(InvalidParameterError) as info:
+        select_attention("cpu", 4, 2, 64, torch.device("cuda"))
+    assert info.value.param == "attention_backend"
+
+
+@needs_cpu_kernel
+def test_a_failed_build_falls_back_to_the_reference_with_one_warning(tmp_path) -> None:
+    model = make_tiny_model(tmp_path / "model")
+    code = f"""
+import logging
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from pagedllm import LLM, SamplingParams
+out = LLM({str(model)!r}).generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+assert len(out[0].outputs[0].token_ids) == 3
+"""
+    # A compiler that always fails, and an empty kernel cache: the build really fails.
+    env = {**os.environ, "CXX": "/bin/false", "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "using the reference" in warnings[0], out.stderr
+    assert "attention backend: reference" in out.stderr
