@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install clean
+.PHONY: run test lint install clean chromium kv-screenshots
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+
+# Headless Chromium for the KV view's browser tests (they skip without it).
+chromium:
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+
+# The KV view's screenshots in docs/images: a busy live server and a SmolLM2 beam search.
+kv-screenshots: $(STAMP) chromium
+	KV_VIEW_SCREENSHOTS=docs/images KV_VIEW_BEAM_MODEL=default \
+		$(BIN)/python -m pytest -q tests/test_kv_browser.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

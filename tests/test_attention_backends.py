@@ -18,9 +18,9 @@ from attention_cases import Case, make_case
 from hf_oracle import make_tiny_model
 from pagedllm.attention.backends import select_attention
 from pagedllm.attention.cpu import CpuPagedAttention
-from pagedllm.attention.cpu_kernel import load_cpu_kernel, missing_cpu_features
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.errors import InvalidParameterError
+from pagedllm.kernels.cpu import load_cpu_ops, missing_cpu_features
 
 needs_cpu_kernel = pytest.mark.skipif(
     bool(missing_cpu_features()), reason=f"this CPU lacks {missing_cpu_features()}"
@@ -34,7 +34,7 @@ def run_both(case: Case, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
     k_ref, v_ref = case.fresh_caches()
     k_cpu, v_cpu = case.fresh_caches()
     ref = ReferenceAttention(heads, kv_heads, d, case.scale)
-    cpu = CpuPagedAttention(heads, kv_heads, d, case.scale, load_cpu_kernel())
+    cpu = CpuPagedAttention(heads, kv_heads, d, case.scale, load_cpu_ops().paged_attention)
     expected = ref(case.query, case.key, case.value, k_ref, v_ref, case.meta)
     got = cpu(case.query, case.key, case.value, k_cpu, v_cpu, case.meta)
     return expected, got, k_ref, k_cpu, v_ref, v_cpu
@@ -98,7 +98,7 @@ def test_long_decodes_split_along_the_context_merge_exactly() -> None:
 
 @needs_cpu_kernel
 def test_the_kernel_shares_torchs_openmp_runtime() -> None:
-    load_cpu_kernel()
+    load_cpu_ops()
     with open("/proc/self/maps", encoding="utf-8") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) == 1, runtimes

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from live_server import build_chat_model
 from pagedllm.bench.baselines import pack_static_batches, padded_utilization
 from pagedllm.bench.output import distribution
 from pagedllm.bench.report import claims_rows
@@ -248,6 +249,26 @@ def test_decode_bench_rows(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert result.keys() >= COMMON_KEYS
     assert [r["batch"] for r in result["results"]] == [1, 3]
     assert all(r["pagedllm_ms"] > 0 and r["hf_ms"] > 0 for r in result["results"])
+    assert all(0 < r["attention_share"] < 1 for r in result["results"])
+
+
+def test_quality_bench_compares_an_option_with_the_exact_default(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = build_chat_model(tmp_path_factory)
+    text = tmp_path / "text.txt"
+    text.write_text("The river runs down to the sea, and the boats come home at dusk. " * 8)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is a river?\nName a color.\n")
+    out = tmp_path / "quality"
+    args = ["bench", "quality", "--model", str(model), "--out", str(out), "--tokens", "4"]
+    args += ["--text", str(text), "--prompts", str(prompts), "--kv-cache-dtype", "float16"]
+    assert main(args) == 0
+    base, half = json.loads((out / "quality.json").read_text())["results"]
+    assert (base["max_logit_diff"], base["greedy_agreement"]) == (0.0, "2/2")
+    assert half["system"] == "kv_cache_dtype=float16"
+    assert half["kv_bytes_per_token"] * 2 == base["kv_bytes_per_token"]
+    assert 0 < half["max_logit_diff"] < 0.1 and half["perplexity"] > 1
 
 
 def test_sharing_bench_counts_blocks_saved(tiny_llama_dir: Path, tmp_path: Path) -> None:

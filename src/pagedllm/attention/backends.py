@@ -14,10 +14,10 @@ from typing import Protocol
 
 import torch
 
-from pagedllm.attention.cpu_kernel import KernelUnavailableError
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.errors import InvalidParameterError
+from pagedllm.kernels.cpu import KernelUnavailableError
 
 logger = logging.getLogger("pagedllm")
 
@@ -41,13 +41,14 @@ class AttentionBackend(Protocol):
 def _cpu(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> AttentionBackend:
     """The compiled CPU kernel; raises ValueError or KernelUnavailableError with the reason."""
     from pagedllm.attention.cpu import CpuPagedAttention
-    from pagedllm.attention.cpu_kernel import load_cpu_kernel
+    from pagedllm.kernels.cpu import load_cpu_ops
 
     if device.type != "cpu":
         raise ValueError(f"it runs on the CPU, not on {device}")
     if head_dim % 8:
         raise ValueError(f"it needs head_dim to be a multiple of 8 (this model's is {head_dim})")
-    return CpuPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, load_cpu_kernel())
+    ops = load_cpu_ops()
+    return CpuPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, ops.paged_attention)
 
 
 def _triton(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> AttentionBackend:

@@ -44,8 +44,10 @@ class CpuPagedAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        q = query.float().contiguous()  # the kernel computes in fp32 whatever the model dtype
-        out = torch.empty_like(q)
+        q = query.float()  # the kernel computes in fp32 whatever the model dtype
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         self.op(
             out,
             q,

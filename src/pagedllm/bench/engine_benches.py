@@ -20,6 +20,7 @@ from pagedllm.attention.backends import AttentionBackend, select_attention
 from pagedllm.bench import options
 from pagedllm.bench.baselines import load_hf_model
 from pagedllm.bench.output import Plot, median_seconds, ratio, write_outputs
+from pagedllm.bench.sweep import wrap_attention
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.engine_args import engine_options
@@ -30,6 +31,7 @@ ATTENTION_COLUMNS = "phase=phase|batch=batch|context=context|paged_ms=paged ms|c
 ATTENTION_COLUMNS += "contiguous ms|overhead=paged / contiguous|max_abs_diff=max abs diff"
 CASES = {"decode": ("1,8,32,64", "128,512,2048"), "prefill": ("1,4", "128,512,1024")}
 DECODE_COLUMNS = "batch=batch|pagedllm_ms=pagedllm ms/step|hf_ms=transformers ms/step|"
+DECODE_COLUMNS += "attention_share=attention share|"
 DECODE_COLUMNS += "pagedllm_tok_s=pagedllm tok/s|hf_tok_s=transformers tok/s|speedup=speedup"
 SHARING_COLUMNS = "system=mode|width=n / beams|mean_blocks_in_use=blocks in use (mean)|"
 SHARING_COLUMNS += "mean_blocks_unshared=without sharing (mean)|mean_saved_frac=saved (mean)|"
@@ -157,17 +159,20 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[
     return torch.randint(100, vocab_size, (count, length), generator=gen).tolist()
 
 
-def decode_step_seconds(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
+def decode_step_seconds(engine: LLMEngine, attn: list[float], prompts: list, steps: int) -> tuple:
+    """Median seconds of a decode step, and mean seconds of it in attention (`attn`)."""
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", p, params)
     started: set[str] = set()
     while len(started) < len(prompts):  # prefill (maybe in chunks) until all are decoding
         started.update(out.request_id for out in engine.step())
+    before = attn[0]
     seconds, _ = median_seconds(engine.step, steps)
+    in_attention = (attn[0] - before) / (steps + 1)  # median_seconds warms up once
     while engine.has_unfinished_requests():
         engine.step()
-    return seconds
+    return seconds, in_attention
 
 
 @torch.inference_mode()
@@ -175,12 +180,12 @@ def hf_decode_step_seconds(model: Any, prompts: list[list[int]], steps: int) -> 
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    out = model(input_ids=torch.tensor(prompts), past_key_values=cache, use_cache=True)
+    out = model(input_ids=torch.tensor(prompts), cache=cache, use_cache=True)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
 
     def step() -> None:  # one forward, then the argmax of the next token
         nonlocal token
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=token, cache=cache, use_cache=True).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
 
     return median_seconds(step, steps)[0]
@@ -188,19 +193,22 @@ def hf_decode_step_seconds(model: Any, prompts: list[list[int]], steps: int) -> 
 
 def decode(args: argparse.Namespace) -> dict[str, Any]:
     engine, loaded = engine_for(args, max(args.batch_sizes))
+    attention = wrap_attention(engine)
     hf = None if args.no_hf else load_hf_model(loaded)
     rows, vocab = [], loaded.config.vocab_size
     for batch in args.batch_sizes:
         prompts = random_prompts(vocab, batch, args.prompt_len, args.seed)
-        ours = decode_step_seconds(engine, prompts, args.steps)
+        ours, in_attention = decode_step_seconds(engine, attention, prompts, args.steps)
         row = {"batch": batch, "pagedllm_ms": round(ours * 1000, 1)}
         row["pagedllm_tok_s"] = round(batch / ours, 1)
+        row["attention_share"] = round(in_attention / ours, 3)
         if hf is not None:
             theirs = hf_decode_step_seconds(hf, prompts, args.steps)
             row |= {"hf_ms": round(theirs * 1000, 1), "hf_tok_s": round(batch / theirs, 1)}
             row["speedup"] = ratio(theirs, ours)
         rows.append(row)
     config = dict(prompt_len=args.prompt_len, steps=args.steps, threads=torch.get_num_threads())
+    config |= {"attention_backend": engine.runner.attention.name}
     note = "median of the timed decode steps after the prefill; pagedllm's step includes "
     note += "scheduling, sampling and output processing; transformers' is a forward + argmax"
     result = options.new_result("decode", args, loaded, config, rows, [note])

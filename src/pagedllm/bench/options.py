@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pagedllm.bench import workload as wl
+from pagedllm.bench.datasets import sharegpt_requests
 from pagedllm.core.reservation import check_policy
 from pagedllm.engine.config import parse_size
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options
@@ -75,6 +76,8 @@ def add_bench_args(
         w.add_argument("--output-range", type=int_range, default=(32, 256), help="uniform: LO:HI")
         scale = "sharegpt: fraction of ShareGPT's mean lengths (161 in, 338 out)"
         w.add_argument("--sharegpt-scale", dest="scale", type=float, default=0.5, help=scale)
+        w.add_argument("--dataset", choices=["sharegpt"], help="real prompts, not --workload")
+        w.add_argument("--dataset-path", help="the dataset's file (ShareGPT JSON)")
         rate = "Poisson arrivals per second (per step in a bookkeeping run); default: all at once"
         w.add_argument("--request-rate", type=float, help=rate)
     if engine is not None:
@@ -128,9 +131,20 @@ def engine_kwargs(args: argparse.Namespace, loaded: LoadedModel, **overrides: An
     return {**opts, "num_kv_blocks": blocks, "max_model_len": max_len}
 
 
-def workload_of(args: argparse.Namespace, vocab_size: int, max_len: int) -> list[wl.BenchRequest]:
-    spec = {f.name: getattr(args, f.name) for f in dataclasses.fields(wl.WorkloadSpec)}
-    requests = wl.make_workload(wl.WorkloadSpec(**spec), vocab_size, max_len)
+def workload_of(
+    args: argparse.Namespace, vocab_size: int, max_len: int, tokenizer: Any = None
+) -> list[wl.BenchRequest]:
+    """The synthetic `--workload`, or `--dataset` prompts (tokenized with `tokenizer`)."""
+    if args.dataset is not None:
+        if not args.dataset_path or tokenizer is None:
+            needs = "--dataset-path FILE" if not args.dataset_path else "a model with a tokenizer"
+            raise InvalidParameterError("dataset_path", f"--dataset {args.dataset} needs {needs}")
+        requests = sharegpt_requests(
+            args.dataset_path, tokenizer, args.num_prompts, args.seed, max_len
+        )
+    else:
+        spec = {f.name: getattr(args, f.name) for f in dataclasses.fields(wl.WorkloadSpec)}
+        requests = wl.make_workload(wl.WorkloadSpec(**spec), vocab_size, max_len)
     if args.request_rate is not None:
         requests = wl.with_poisson_arrivals(requests, args.request_rate, args.seed)
     return requests
@@ -142,7 +156,8 @@ def prepare(
     """A workload bench's start: the model, its engine options, requests and result."""
     loaded = get_loaded(args.model)
     opts = engine_kwargs(args, loaded, **overrides)
-    requests = workload_of(args, loaded.config.vocab_size, opts["max_model_len"])
+    vocab, max_len = loaded.config.vocab_size, opts["max_model_len"]
+    requests = workload_of(args, vocab, max_len, loaded.tokenizer)
     blocks, bs = opts["num_kv_blocks"], opts["block_size"]
     mib = round(blocks * bs * kv_bytes_per_token(loaded, opts) / 2**20, 1)
     config = {"block_size": bs, "kv_tokens": blocks * bs, "kv_blocks": blocks, "kv_mib": mib}
@@ -164,8 +179,9 @@ def new_result(
         model = os.path.basename(model.source.rstrip("/"))
     workload = None
     if requests:
-        workload = {"kind": args.kind, "seed": args.seed, **wl.summarize(requests)}
-        workload |= {"sharegpt_scale": args.scale} if args.kind == "sharegpt" else {}
+        kind = f"{args.dataset} ({args.dataset_path})" if args.dataset else args.kind
+        workload = {"kind": kind, "seed": args.seed, **wl.summarize(requests)}
+        workload |= {"sharegpt_scale": args.scale} if kind == "sharegpt" else {}
         workload |= {"request_rate": args.request_rate} if args.request_rate else {}
     # The command that reproduces the run: `bench report` sets argv for its suite; a bench
     # called in-process (tests) is named by its subcommand.

@@ -24,6 +24,7 @@ from pagedllm.bench import options
 from pagedllm.bench.output import Plot, cdf, distribution, write_outputs
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.errors import InvalidParameterError
+from pagedllm.loader.tokenizer import load_tokenizer
 
 TOKEN_ID_RANGE = (1000, 20000)  # ordinary vocabulary entries of any ~32k+ tokenizer
 WORDS = ["the", "model", "cache", "block", "token", "memory", "paged", "attention", "river"]
@@ -50,6 +51,7 @@ def add_parser(sub: Any) -> None:
     kinds = ["token-ids", "words"]
     p.add_argument("--prompt-kind", choices=kinds, default=kinds[0], help="words: ~1 token each")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--tokenizer", help="model whose tokenizer measures --dataset prompts")
 
 
 async def send_one(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
@@ -97,7 +99,9 @@ async def run_load(
         async def one(r: BenchRequest) -> RequestResult:
             # The server's vocabulary is unknown here: ids move into TOKEN_ID_RANGE.
             prompt: Any = [TOKEN_ID_RANGE[0] + t for t in r.prompt_token_ids]
-            if args.prompt_kind == "words":
+            if r.prompt_text is not None:  # a dataset's: the server tokenizes it
+                prompt = r.prompt_text
+            elif args.prompt_kind == "words":
                 prompt = " ".join(rng.choice(WORDS) for _ in prompt)
             body = {"model": model, "prompt": prompt, "max_tokens": r.output_len, "temperature": 0}
             body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -116,7 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidParameterError("request_rate", message)
     # The server's context is unknown here: sharegpt lengths are clipped to 2048 tokens.
     span = TOKEN_ID_RANGE[1] - TOKEN_ID_RANGE[0]
-    requests = options.workload_of(args, span, options.DEFAULT_MAX_MODEL_LEN)
+    tokenizer = load_tokenizer(args.tokenizer) if args.dataset else None
+    requests = options.workload_of(args, span, options.DEFAULT_MAX_MODEL_LEN, tokenizer)
     results, seconds, model = asyncio.run(run_load(args, requests))
     ok = [r for r in results if not r.error]
     config = {"url": args.url, "request_rate": rate or math.inf, "max_concurrency": cap}

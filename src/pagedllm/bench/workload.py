@@ -25,6 +25,7 @@ class BenchRequest:
     prompt_token_ids: tuple[int, ...]
     output_len: int
     arrival_time: float = 0.0  # seconds (or steps) after the start
+    prompt_text: str | None = None  # a dataset's prompt, which a server tokenizes itself
 
     @property
     def prompt_len(self) -> int:

@@ -17,6 +17,7 @@ from pagedllm.kv.block_table import check_block_size
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
+QUANTIZATIONS = ("int8",)  # None: the model's own weights, exact to the reference
 _UNITS = {
     "": 1,
     "B": 1,
@@ -59,6 +60,7 @@ class EngineConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"  # half precision holds twice the tokens in the same memory
     attention_backend: str = "auto"
+    quantization: str | None = None  # "int8": W8A8 linear layers (CPU, float32 model)
     device: str = "cpu"
     enable_prefix_caching: bool = True
     kv_reservation: str = "paged"
@@ -84,6 +86,19 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 raise InvalidParameterError(
                     name, f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise InvalidParameterError(
+                    "quantization",
+                    f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, "
+                    f"got {self.quantization!r}",
+                )
+            if not self.device.startswith("cpu") or self.dtype != "float32":
+                raise InvalidParameterError(
+                    "quantization",
+                    "quantization='int8' runs on the CPU with dtype float32; got "
+                    f"device={self.device!r}, dtype={self.dtype!r}",
                 )
         check_policy(self.kv_reservation)
         if not 0 <= self.watermark < 1:

@@ -19,6 +19,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.engine.beam_search import BeamState, advance_beams
 from pagedllm.engine.config import EngineConfig, parse_size
+from pagedllm.engine.kv_view import KVRecorder
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.prompts import check_token_ids, encode_text
@@ -57,6 +58,7 @@ class LLMEngine:
                 config.seed,
                 config.kv_cache_dtype,
                 config.attention_backend,
+                config.quantization,
             )
             tokenizer = loaded.tokenizer
         self.runner = runner
@@ -103,6 +105,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, max_len)
         self._beams: dict[str, BeamState] = {}  # request id -> its beam search
+        # The KV view's recorder while one watches (engine/kv_view.py); None costs nothing.
+        self.kv_events: KVRecorder | None = None
         logger.info(
             "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d",
             num_blocks,
@@ -181,6 +185,8 @@ class LLMEngine:
         self.output.forget(req.seqs)
         for seq in req.seqs:
             seq.finish_reason = "abort"
+        if self.kv_events is not None:
+            self.kv_events.aborted(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -199,13 +205,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration. If it fails after scheduling, StepFailedError names the
         requests the step was running (the caller decides what becomes of them)."""
+        if self.kv_events is not None:  # the KV view watches: number this step's events
+            self.kv_events.begin_step()
         step = self.scheduler.schedule()
         if step.is_empty:
             return []
         try:
-            return self._run(step)
+            outputs = self._run(step)
         except Exception as exc:
             raise StepFailedError(tuple(step.num_scheduled_tokens), exc) from exc
+        if self.kv_events is not None:
+            self.kv_events.end_step(step, outputs)
+        return outputs
 
     def _run(self, step: SchedulerOutput) -> list[RequestOutput]:
         # Rows to draw follow the scheduled sequences that need logits, in order.

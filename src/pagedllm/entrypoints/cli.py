@@ -1,4 +1,5 @@
-"""The `pagedllm` command line: `generate`, plus the `serve` and `bench` subcommands.
+"""The `pagedllm` command line: `generate`, plus the `serve`, `bench` and `kv-view`
+subcommands.
 
 Bad arguments exit with status 2 and a one-line message, never a traceback.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 from pagedllm.bench.cli import add_bench_parser
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options
+from pagedllm.entrypoints.kv_view.cli import add_kv_view_parser
 from pagedllm.entrypoints.server.serve_cli import add_serve_parser
 
 
@@ -32,10 +34,28 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--n", type=int, default=1)
+    p.add_argument(
+        "--beam-width",
+        type=int,
+        default=None,
+        help="beam search with this many beams instead of sampling (outputs best first)",
+    )
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None, help="system prompt for --chat")
     p.add_argument("--json", action="store_true", help="print outputs and summary as JSON")
+    p.add_argument(
+        "--kv-trace",
+        default=None,
+        metavar="FILE",
+        help="record the run's KV events (blocks allocated, shared, copied, freed) in FILE "
+        "for `pagedllm kv-view FILE`",
+    )
+    p.add_argument(
+        "--kv-trace-text",
+        action="store_true",
+        help="keep each KV block's token text in the trace (off: ids and counts only)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_generate)
 
@@ -62,18 +82,28 @@ def _read_prompts(args: argparse.Namespace) -> list[Any]:
 
 def run_generate(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
     prompts = _read_prompts(args)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        n=args.n,
-        ignore_eos=args.ignore_eos,
-    )
+    params: SamplingParams | BeamSearchParams
+    if args.beam_width is not None:
+        if args.n != 1:
+            raise ValueError("--beam-width and --n do not go together: a beam search keeps k beams")
+        params = BeamSearchParams(
+            beam_width=args.beam_width, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos
+        )
+    else:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            n=args.n,
+            ignore_eos=args.ignore_eos,
+        )
+    if args.kv_trace_text and not args.kv_trace:
+        raise ValueError("--kv-trace-text needs --kv-trace FILE")
     llm = LLM(**engine_options(args))
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
@@ -81,9 +111,17 @@ def run_generate(args: argparse.Namespace) -> int:
             {"prompt_token_ids": llm.encode_chat([*system, {"role": "user", "content": str(p)}])}
             for p in prompts
         ]
+    trace = None
+    if args.kv_trace:
+        from pagedllm.engine.kv_trace import KVTrace
+
+        command = "pagedllm " + " ".join(sys.argv[1:]) if sys.argv[1:] else "pagedllm generate"
+        trace = KVTrace.record(llm.engine, text=args.kv_trace_text, command=command)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     elapsed = time.perf_counter() - start
+    if trace is not None:
+        trace.write(args.kv_trace)
     engine = llm.engine
     stats = engine.stats
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -133,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_kv_view_parser(sub)
     return parser
 
 

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.reservation import RESERVATION_POLICIES
-from pagedllm.engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from pagedllm.engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from pagedllm.kv.block_table import MAX_BLOCK_SIZE
 
 
@@ -53,6 +59,11 @@ OPTIONS = (
         "attention_backend",
         "paged attention kernel (auto: compiled on CPU, Triton on CUDA)",
         choices=ATTENTION_BACKENDS,
+    ),
+    _Option(
+        "quantization",
+        "int8: int8 weights and activations in the linear layers (CPU; default: none, exact)",
+        choices=QUANTIZATIONS,
     ),
     _Option("device", "torch device: cpu, cuda, cuda:1, ..."),
     _Option(

@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedllm.kv.events import PoolListener
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free blocks than were asked for; nothing was allocated."""
@@ -50,6 +52,7 @@ class BlockAllocator:
         self._cached_by_hash: dict[bytes, int] = {}
         self._cached_info: dict[int, CachedBlock] = {}
         self.num_evictions = 0
+        self.listener: PoolListener | None = None  # the KV view, when one watches
 
     # ----------------------------------------------------------------- queries
     @property
@@ -86,6 +89,8 @@ class BlockAllocator:
         if info is not None:
             del self._cached_by_hash[info.block_hash]
             self.num_evictions += 1
+            if self.listener is not None:
+                self.listener.on_evicted(block)
         self._ref_counts[block] = 1
         return block
 
@@ -138,12 +143,16 @@ class BlockAllocator:
         if block_hash not in self._cached_by_hash and block not in self._cached_info:
             self._cached_by_hash[block_hash] = block
             self._cached_info[block] = CachedBlock(block_hash, parent_hash, tuple(token_ids))
+            if self.listener is not None:
+                self.listener.on_cached(block)
         return block_hash
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use stay in use)."""
         self._cached_by_hash.clear()
         self._cached_info.clear()
+        if self.listener is not None:
+            self.listener.on_cache_reset()
 
     def _check(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pagedllm.kv.allocator import BlockAllocator
 from pagedllm.kv.block_table import BlockTable, check_block_size
+from pagedllm.kv.events import KVListener
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class KVCacheManager:
         self.watermark_blocks = watermark_blocks
         self.tables: dict[int, BlockTable] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # The KV view, when one watches (engine/kv_view.py); also the allocator's listener.
+        self.listener: KVListener | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -127,6 +130,8 @@ class KVCacheManager:
         if copies is None:
             return False
         self._pending_copies.extend(copies)
+        if self.listener is not None:
+            self.listener.on_grown(seq_id, table, copies)
         return True
 
     def admit(
@@ -169,12 +174,17 @@ class KVCacheManager:
             if reserve_tokens:
                 table.reserve(reserve_tokens)
             assert table.append_slots(num_tokens) == [], "a new table never copies"
+        if self.listener is not None:
+            for seq_id, (hits, _) in zip(seq_ids, cached, strict=True):
+                self.listener.on_admitted(seq_id, self.tables[seq_id], len(hits))
         return True
 
     def fork(self, parent_id: int, child_id: int) -> None:
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has a block table")
         self.tables[child_id] = self.tables[parent_id].fork()
+        if self.listener is not None:
+            self.listener.on_forked(parent_id, child_id, self.tables[child_id])
 
     def free(self, seq_id: int) -> None:
         table = self.tables.pop(seq_id, None)
@@ -184,6 +194,8 @@ class KVCacheManager:
             # A copy into a block this sequence held would only write into a freed block.
             gone = set(table.blocks)
             self._pending_copies = [c for c in self._pending_copies if c[1] not in gone]
+        if self.listener is not None:
+            self.listener.on_freed(seq_id, table)
         table.free()
 
     def take_copies(self) -> list[tuple[int, int]]:

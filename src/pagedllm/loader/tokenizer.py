@@ -50,3 +50,14 @@ def load_hf_tokenizer(folder: str) -> PreTrainedTokenizerBase | None:
         return AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
         raise ModelLoadError(f"{folder}: could not load the tokenizer: {exc}") from exc
+
+
+def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a model (a .gguf file or a Hugging Face directory; None: the
+    default model) without loading its weights."""
+    from pagedllm.loader.default_model import default_model_path
+
+    path = os.path.expanduser(path) if path is not None else default_model_path()
+    if os.path.isdir(path):
+        return load_hf_tokenizer(path)
+    return load_gguf_tokenizer(path, None)

@@ -9,6 +9,7 @@ projections are fused into one matmul each.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.layer_ops import TorchLayerOps
+from pagedllm.model.linear import DenseLinear, quantize_linears
 from pagedllm.model.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -24,16 +27,12 @@ AttentionFn = Callable[..., torch.Tensor]
 
 
 class RMSNorm(nn.Module):
+    """The weight and epsilon of an RMS norm; the layer ops compute it."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In fp32 whatever the model dtype, as transformers does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -41,7 +40,13 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionFn, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attention: AttentionFn,
+        rotary: RotaryEmbedding,
+        ops: TorchLayerOps,
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -51,39 +56,59 @@ class DecoderLayer(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_weight = _param(q_size + 2 * kv_size, cfg.hidden_size)
-        self.qkv_bias = _param(q_size + 2 * kv_size) if cfg.attention_bias else None
-        self.o_weight = _param(cfg.hidden_size, q_size)
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size)
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        self.qkv = DenseLinear(hidden, q_size + 2 * kv_size, cfg.attention_bias, ops)
+        self.o_proj = DenseLinear(q_size, hidden, ops=ops)
+        self.gate_up = DenseLinear(hidden, 2 * inter, ops=ops)
+        self.down = DenseLinear(inter, hidden, ops=ops)
         self.attention = attention
         self.rotary = rotary
+        self.ops = ops
 
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        x = self.input_layernorm(hidden)
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and the residual stream (updated in place): the next layer
+        (or the final norm) adds the one to the other, fused with its norm."""
+        t, ops, norm = hidden.shape[0], self.ops, self.input_layernorm
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual, x = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            x = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        qkv = self.qkv(x)
+        rope = self.rotary
+        ops.rotary(positions, qkv, rope.cos, rope.sin, *self.split_heads)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         attn = self.attention(q, k, v, kv_cache[0], kv_cache[1], meta)
-        hidden = hidden + F.linear(attn.reshape(t, -1), self.o_weight)
-        x = self.post_attention_layernorm(hidden)
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_weight)
+        norm = self.post_attention_layernorm
+        x = ops.add_rms_norm(self.o_proj(attn.reshape(t, -1)), residual, norm.weight, norm.eps)
+        return self.down(ops.silu_and_mul(self.gate_up(x))), residual
+
+    @property
+    def split_heads(self) -> tuple[int, int, int]:
+        return self.num_heads, self.num_kv_heads, self.head_dim
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: AttentionFn | None = None,
+        ops: TorchLayerOps | None = None,
+    ) -> None:
+        """`attention` defaults to the reference backend, `ops` (the element-wise work)
+        to pure torch."""
         super().__init__()
         self.config = config
+        ops = ops or TorchLayerOps()
         if attention is None:
             attention = ReferenceAttention(
                 config.num_attention_heads,
@@ -94,12 +119,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention, self.rotary) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, attention, self.rotary, ops)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size)
-        )
+        self.ops = ops
+        self.lm_head = DenseLinear(config.hidden_size, config.vocab_size, ops=ops)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens  # one tensor, two uses
 
     @torch.inference_mode()
     def forward(
@@ -109,16 +136,24 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden, residual = F.embedding(input_ids, self.embed_tokens), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
+        assert residual is not None, "a model has at least one layer"
+        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) of the given rows of final hidden states."""
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
+
+    def quantize_int8(
+        self, input_amax: dict[str, torch.Tensor] | None = None, ops: Any = None
+    ) -> None:
+        """Int8 weights and per-token int8 activations in every linear layer, the output
+        projection included (smoothed with `input_amax`, from `observe_inputs` over this
+        model); a tied embedding stays float, for its lookup."""
+        quantize_linears(self, input_amax, ops)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up."""
@@ -131,8 +166,8 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             self.embed_tokens.copy_(take("model.embed_tokens.weight"))
             self.norm.weight.copy_(take("model.norm.weight"))
-            if self.lm_head is not None:
-                self.lm_head.copy_(take("lm_head.weight"))
+            if not self.config.tie_word_embeddings:
+                self.lm_head.weight.copy_(take("lm_head.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
@@ -140,17 +175,17 @@ class LlamaForCausalLM(nn.Module):
                 layer.post_attention_layernorm.weight.copy_(
                     take(p + "post_attention_layernorm.weight")
                 )
-                layer.qkv_weight.copy_(
+                layer.qkv.weight.copy_(
                     torch.cat([take(f"{a}{n}_proj.weight") for n in "qkv"], dim=0)
                 )
-                if layer.qkv_bias is not None:
-                    layer.qkv_bias.copy_(
+                if layer.qkv.bias is not None:
+                    layer.qkv.bias.copy_(
                         torch.cat([take(f"{a}{n}_proj.bias") for n in "qkv"], dim=0)
                     )
-                layer.o_weight.copy_(take(a + "o_proj.weight"))
-                layer.gate_up_weight.copy_(
+                layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
+                layer.gate_up.weight.copy_(
                     torch.cat(
                         [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
                     )
                 )
-                layer.down_weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.down.weight.copy_(take(p + "mlp.down_proj.weight"))

@@ -1,7 +1,8 @@
 """Rotary position embeddings, with the scaling types Llama-family configs use.
 
 The inverse frequencies follow transformers' definitions (default, linear, llama3, yarn)
-so that logits match it; cos/sin are tabulated once for every position.
+so that logits match it; cos/sin are tabulated once for every position, and the layer
+ops (layer_ops.py) rotate q and k with them.
 """
 
 from __future__ import annotations
@@ -79,16 +80,3 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, heads, d] and k [T, kv_heads, d] by their tokens' positions."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -11,19 +11,25 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from pagedllm.attention.backends import select_attention
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.kernels.cpu import KernelUnavailableError, load_cpu_ops
 from pagedllm.loader import LoadedModel
+from pagedllm.model.layer_ops import CompiledLayerOps, TorchLayerOps
+from pagedllm.model.linear import observe_inputs
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 from pagedllm.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedllm")
+CALIBRATION_TEXT = Path(__file__).parents[1] / "model" / "data" / "calibration.txt"
 
 
 class TorchModelRunner:
@@ -35,6 +41,7 @@ class TorchModelRunner:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
         attention_backend: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype: torch.dtype = getattr(torch, dtype)
@@ -54,9 +61,11 @@ class TorchModelRunner:
             self.attention.name,
             str(self.kv_dtype).removeprefix("torch."),
         )
-        model = LlamaForCausalLM(cfg, self.attention)
+        model = LlamaForCausalLM(cfg, self.attention, self._layer_ops(attention_backend))
         model.load_weights(loaded.weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if quantization == "int8":
+            self._quantize_int8(loaded.tokenizer)
         self.spec = ModelSpec(
             vocab_size=loaded.config.vocab_size,
             max_position_embeddings=loaded.config.max_position_embeddings,
@@ -106,6 +115,61 @@ class TorchModelRunner:
         )
         hidden = self.model(input_ids, meta.positions, cache.layers, meta)
         return self.model.compute_logits(hidden[meta.logits_indices])
+
+    @torch.inference_mode()
+    def logits_of(self, token_ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
+        """Logits [len, vocab] after each token of `token_ids` (teacher forcing), computed
+        in chunks through a private paged cache: the engine's pool is not touched. For
+        measuring what an option changes (perplexity, logit differences)."""
+        block_size = 16
+        num_blocks = -(-len(token_ids) // block_size)
+        cache = PagedKVCache(
+            self.model_config, num_blocks, block_size, dtype=self.kv_dtype, device=self.device
+        )
+        table = list(range(num_blocks))
+        out = []
+        for start in range(0, len(token_ids), chunk):
+            ids = torch.tensor(token_ids[start : start + chunk], device=self.device)
+            meta = build_attention_metadata(
+                [start],
+                [len(ids)],
+                [table],
+                [0],
+                block_size,
+                device=self.device,
+                dtype=self.dtype,
+                with_groups=self.attention.needs_groups,
+                query_tile=self.attention.query_tile,
+            )
+            hidden = self.model(ids, meta.positions, cache.layers, meta)
+            out.append(self.model.compute_logits(hidden))
+        return torch.cat(out)
+
+    def _layer_ops(self, attention_backend: str) -> TorchLayerOps:
+        """The fused element-wise kernels on a CPU where they build (and unless the whole
+        reference path was asked for), else pure torch."""
+        if self.device.type != "cpu" or attention_backend == "reference":
+            return TorchLayerOps()
+        try:
+            return CompiledLayerOps(load_cpu_ops())
+        except KernelUnavailableError:  # said once already, by the attention backend's choice
+            return TorchLayerOps()
+
+    def _quantize_int8(self, tokenizer: Any) -> None:
+        """Int8 linear layers, smoothed on the calibration text (when there is a tokenizer
+        to read it), through the compiled kernel where it runs."""
+        amax = None
+        if tokenizer is not None:
+            ids = tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))
+            amax = observe_inputs(self.model, lambda: self.logits_of(ids))
+        else:
+            logger.warning("int8 without a tokenizer: no calibration text, no smoothing")
+        try:
+            ops = load_cpu_ops()
+        except KernelUnavailableError as exc:
+            logger.warning("int8 linear layers in pure torch (slower): %s", exc)
+            ops = None
+        self.model.quantize_int8(amax, ops)
 
     def shutdown(self) -> None:
         self._generators.clear()

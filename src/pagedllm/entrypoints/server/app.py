@@ -2,8 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models and
 GET /v1/models/{id} (all behind the API key when one is set; an empty key is no key),
-GET|HEAD /health, GET /metrics, and, only with `enable_docs`, /docs, /redoc and
-/openapi.json (behind the key too). Request bodies are read by hand, so the checks run in
+GET|HEAD /health, GET /metrics, the KV view under /kv unless `kv_view=False` (behind the
+key too; see kv_routes.py), and, only with `enable_docs`, /docs, /redoc and /openapi.json
+(behind the key too). Request bodies are read by hand, so the checks run in
 a fixed order: API key (401), size (413), arrival within `body_timeout` (408), JSON (400),
 fields (400), model name (404), unsupported fields and sampling values (400), prompt text
 (400), backlog (503), context and KV-pool fit (400). Bad client input is never a 500.
@@ -35,6 +36,8 @@ from pagedllm.entrypoints.server.errors import (
     from_validation_error,
     install_error_handlers,
 )
+from pagedllm.entrypoints.server.kv_feed import KVFeed
+from pagedllm.entrypoints.server.kv_routes import kv_router
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.serving import Serving
 
@@ -61,11 +64,16 @@ def create_app(
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
     allowed_origins: Sequence[str] = (),
     enable_docs: bool = False,
+    kv_view: bool = True,
+    kv_view_text: bool = False,
+    kv_view_interval: float = 0.25,
 ) -> FastAPI:
     """The app; the engine loop starts with the app (or at the first request) and stops
     with it. `max_waiting` bounds the backlog: requests waiting beyond what the engine can
     admit (HTTP 503 past it). `body_timeout`: seconds a client has to send its whole body
-    (HTTP 408 after). `allowed_origins`: browser origins allowed by CORS ("*" for any)."""
+    (HTTP 408 after). `allowed_origins`: browser origins allowed by CORS ("*" for any).
+    `kv_view`: serve the KV view at /kv, updating every `kv_view_interval` seconds at most,
+    with token text only if `kv_view_text`."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     elif max_waiting is not None:
@@ -196,6 +204,10 @@ def create_app(
         return JSONResponse(p.dump(card))
 
     app.include_router(v1)
+    if kv_view:
+        feed = KVFeed(async_engine, text=kv_view_text, interval=kv_view_interval)
+        app.state.kv_feed = feed
+        app.include_router(kv_router(feed, api_key, check_api_key))
 
     @app.head("/health", include_in_schema=False)
     @app.get("/health")

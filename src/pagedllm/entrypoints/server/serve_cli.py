@@ -77,6 +77,18 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         help="serve /docs, /redoc and /openapi.json (behind the API key when one is set)",
     )
     p.add_argument(
+        "--no-kv-view",
+        dest="kv_view",
+        action="store_false",
+        help="do not serve the live KV-cache view at /kv (default: served, behind the API key)",
+    )
+    p.add_argument(
+        "--kv-view-text",
+        action="store_true",
+        help="let the KV view show the token text held in each block (default: ids and "
+        "counts only)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_engine_args(p)
@@ -101,6 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         enable_docs=args.enable_docs,
+        kv_view=args.kv_view,
+        kv_view_text=args.kv_view_text,
     )
     key = "required" if args.api_key else "not required"
     if args.api_key == "":
@@ -112,5 +126,12 @@ def run_serve(args: argparse.Namespace) -> int:
         args.port,
         key,
     )
+    if args.kv_view:
+        logging.getLogger("pagedllm").info(
+            "KV cache view at http://%s:%d/kv%s",
+            args.host,
+            args.port,
+            " (with token text)" if args.kv_view_text else "",
+        )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -1,11 +1,11 @@
-"""Building and loading the compiled CPU attention kernel (csrc/paged_attention_cpu.cpp).
+"""Building and loading the compiled CPU kernels (the C++ sources in csrc/).
 
-The C++ source ships inside the package and is compiled at first use with torch's
-extension tools (`-O3 -mavx2 -mfma -mf16c -fopenmp`), once per source, torch version and
-flags: the library is cached under `$PAGEDLLM_CACHE_DIR` (default ~/.cache/pagedllm) and
-later processes just load it. `load_cpu_kernel()` returns the op or raises
-KernelUnavailableError saying why (no AVX2/FMA/F16C, no compiler, a failed build), so that
-the caller can fall back to the reference backend.
+The sources ship inside the package and are compiled at first use with torch's extension
+tools (`-O3 -mavx2 -mfma -mf16c -fopenmp`) into one library, once per source, torch
+version and flags: it is cached under `$PAGEDLLM_CACHE_DIR` (default ~/.cache/pagedllm),
+and later processes just load it. `load_cpu_ops()` returns the `torch.ops.pagedllm_cpu`
+namespace or raises KernelUnavailableError saying why (no AVX2/FMA/F16C, no compiler, a
+failed build), so that callers can fall back to their pure-torch paths.
 """
 
 from __future__ import annotations
@@ -17,21 +17,23 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger("pagedllm")
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"]
-NAME = "pagedllm_cpu_attention"
+NAME = "pagedllm_cpu_ops"
 _lock = threading.Lock()
-_op: Callable[..., None] | None = None
+_ops: Any = None
+_error: KernelUnavailableError | None = None
 
 
 class KernelUnavailableError(RuntimeError):
-    """The compiled kernel cannot be used here; the message says why."""
+    """The compiled kernels cannot be used here; the message says why."""
 
 
 def cache_dir() -> Path:
@@ -42,14 +44,13 @@ def cache_dir() -> Path:
 
 
 def missing_cpu_features() -> list[str]:
-    """The instruction sets the kernel needs that this CPU lacks (empty: it can run)."""
+    """The instruction sets the kernels need that this CPU lacks (empty: they can run)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return [f"an x86-64 CPU (this is {platform.machine()})"]
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next(
-                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
-            )
+            lines = [line for line in f if line.startswith("flags")]
+        flags = lines[0].split(":", 1)[1].split() if lines else []
     except OSError:
         # No /proc (not Linux): trust torch's own dispatch level.
         level = torch.backends.cpu.get_cpu_capability()
@@ -58,23 +59,28 @@ def missing_cpu_features() -> list[str]:
 
 
 def build_directory() -> Path:
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()
-    ).hexdigest()[:16]
-    return cache_dir() / f"cpu-attention-{key}"
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(FLAGS).encode())
+    for source in sorted(CSRC.glob("*.[ch]*")):  # headers too: a change rebuilds
+        digest.update(source.read_bytes())
+    return cache_dir() / f"cpu-ops-{digest.hexdigest()[:16]}"
 
 
-def load_cpu_kernel() -> Callable[..., None]:
-    """The op `paged_attention(out, query, k_cache, v_cache, block_tables,
-    query_start_loc, context_lens, scale)`, compiled on first use."""
-    global _op
+def load_cpu_ops() -> Any:
+    """`torch.ops.pagedllm_cpu`, compiled on first use; a failure is remembered, so a
+    process tries (and warns) once."""
+    global _ops, _error
     with _lock:
-        if _op is None:
-            _op = _load()
-        return _op
+        if _ops is None and _error is None:
+            try:
+                _ops = _load()
+            except KernelUnavailableError as exc:
+                _error = exc
+        if _error is not None:
+            raise _error
+        return _ops
 
 
-def _load() -> Callable[..., None]:
+def _load() -> Any:
     missing = missing_cpu_features()
     if missing:
         raise KernelUnavailableError(f"this CPU lacks {', '.join(missing)}")
@@ -82,18 +88,18 @@ def _load() -> Callable[..., None]:
     library = directory / f"{NAME}.so"
     if library.exists():
         torch.ops.load_library(str(library))
-        return torch.ops.pagedllm_cpu.paged_attention
+        return torch.ops.pagedllm_cpu
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
     # torch's build runs `ninja`: the one installed next to this Python counts too.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    logger.info("compiling the CPU attention kernel (once; cached in %s) ...", directory)
+    logger.info("compiling the CPU kernels (once; cached in %s) ...", directory)
     start = time.perf_counter()
     try:
         cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -103,7 +109,7 @@ def _load() -> Callable[..., None]:
     except Exception as exc:  # no compiler, no headers, a failed build: all mean "not here"
         detail = str(exc).strip().splitlines()
         raise KernelUnavailableError(
-            f"building it failed ({type(exc).__name__}: {detail[-1] if detail else ''})"
+            f"building them failed ({type(exc).__name__}: {detail[-1] if detail else ''})"
         ) from exc
-    logger.info("CPU attention kernel built in %.0f s", time.perf_counter() - start)
-    return torch.ops.pagedllm_cpu.paged_attention
+    logger.info("CPU kernels built in %.0f s", time.perf_counter() - start)
+    return torch.ops.pagedllm_cpu

@@ -13,8 +13,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -25,6 +23,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 constexpr int kKeyChunk = 16;   // keys per inner step
@@ -32,50 +32,10 @@ constexpr int kQueryTile = 16;  // query rows (tokens) per prefill work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kKeyChunk == 16, "score rows are handled as two 8-float vectors");
 
-// ------------------------------------------------------------------ vector helpers
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const c10::BFloat16* p) {
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// exp(x) for 8 floats (Cephes' range reduction and polynomial, ~1 ulp); -inf gives 0.
-inline __m256 exp8(__m256 x) {
-  const __m256 is_neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ);
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
-  __m256 pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(n, 23));
-  return _mm256_andnot_ps(is_neg_inf, _mm256_mul_ps(y, pow2n));
-}
+using pagedllm::exp8;
+using pagedllm::hmax;
+using pagedllm::hsum;
+using pagedllm::load8;
 
 inline float dot(const float* a, const float* b, int d) {
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
@@ -90,7 +50,8 @@ inline float dot(const float* a, const float* b, int d) {
 
 // ------------------------------------------------------------------ the problem
 struct Problem {
-  const float* query;  // [T, H, D], pre-scaled copy not needed: the scale is applied to scores
+  const float* query;  // [T, H, D], rows and heads at any stride (views of a fused QKV)
+  int64_t q_stride_t, q_stride_h;
   float* out;          // [T, H, D]
   const void* k_cache;  // [num_blocks, block_size, KVH, D]
   const void* v_cache;
@@ -250,7 +211,7 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
   for (int g = it.g0; g < it.g1; ++g)
     for (int r = 0; r < it.rows; ++r)
       for (int i = 0; i < group; ++i) {
-        const float* src = pb.query + ((q0 + it.row0 + r) * pb.num_heads + g * group + i) * d;
+        const float* src = pb.query + (q0 + it.row0 + r) * pb.q_stride_t + (g * group + i) * pb.q_stride_h;
         float* dst = sc.q.data() + ((g - it.g0) * per_head + r * group + i) * d;
         for (int x = 0; x < d; ++x) dst[x] = src[x] * pb.scale;
       }
@@ -419,7 +380,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      double scale) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "query and out must be float32");
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
+  TORCH_CHECK(query.stride(2) == 1 && out.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && block_tables.is_contiguous(),
               "tensors must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
@@ -428,6 +389,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(k_cache.dim() == 4 && query.dim() == 3, "expected k_cache [N, BS, KVH, D] and query [T, H, D]");
   Problem pb;
   pb.query = query.data_ptr<float>();
+  pb.q_stride_t = query.stride(0);
+  pb.q_stride_h = query.stride(1);
   pb.out = out.data_ptr<float>();
   pb.k_cache = k_cache.data_ptr();
   pb.v_cache = v_cache.data_ptr();
@@ -453,7 +416,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY(pagedllm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale) -> ()");

@@ -1,0 +1,315 @@
+"""KVRecorder: the engine's KV events, numbered by step, for the live view and for traces.
+
+`KVRecorder.attach(engine, sink)` makes it the listener of the engine's block manager and
+allocator (kv/events.py) and of its step loop. It knows which request each sequence
+serves, notes preemptions, finishes and aborts, and hands `sink` one record per step:
+`{"step": n, "ev": [events], "st": {figures}}`. Events between two steps (an abort) go
+out with the next step's start, under the number of the step before them. Everything runs
+on the engine's thread and the sink must not block: the server's feed drops the record in
+a bounded ring, a trace appends it to a list. `detach()` puts every listener back to None.
+
+`engine_snapshot` is the whole picture at one moment (pool, tables, requests, figures),
+with the token text of each block only when asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.sequence import Request
+from pagedllm.core.sequence import Sequence as Seq
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.kv.events import Event, TableView
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.pool_state import PoolState
+from pagedllm.sampling_params import BeamSearchParams
+
+Record = dict[str, Any]
+Sink = Callable[[Record], None]
+
+
+class Watchable(Protocol):
+    """What the recorder needs of an engine (LLMEngine has it)."""
+
+    scheduler: Scheduler
+    kv: KVCacheManager
+    tokenizer: Any
+    kv_events: KVRecorder | None
+
+
+class KVRecorder:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        sink: Sink,
+        *,
+        tokenizer: Any = None,
+        text: bool = False,
+        step: int = 0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.kv = kv
+        self.sink = sink
+        self.tokenizer = tokenizer if text else None
+        self.step = step  # the step running now, or the last one between steps
+        self._engine: Watchable | None = None
+        self._events: list[Event] = []
+        self._owner: dict[int, str] = {}  # sequence id -> request id
+        # What each table was when last seen, to tell what a hook changed.
+        self._length: dict[int, int] = {}
+        self._tokens: dict[int, int] = {}
+        self._text_from: dict[int, int] = {}  # text mode: first logical block to re-read
+        self._seen(kv)
+
+    @classmethod
+    def attach(
+        cls,
+        engine: Watchable,
+        sink: Sink,
+        *,
+        text: bool = False,
+        step: int = 0,
+        tokenizer: Any = None,
+    ) -> KVRecorder:
+        """Listen to `engine` from its current state on; call on the engine's thread.
+        `text`: also record each block's token text (with `tokenizer`, else the engine's)."""
+        if engine.kv_events is not None:
+            raise RuntimeError("the engine already has a KV recorder attached")
+        tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        recorder = cls(engine.scheduler, engine.kv, sink, tokenizer=tokenizer, text=text, step=step)
+        recorder._engine = engine
+        engine.kv_events = recorder
+        engine.kv.listener = recorder
+        engine.kv.allocator.listener = recorder
+        return recorder
+
+    def detach(self) -> None:
+        """Stop listening (pending events are published first)."""
+        self.flush()
+        if self._engine is not None:
+            self._engine.kv_events = None
+            self._engine = None
+        self.kv.listener = None
+        self.kv.allocator.listener = None
+
+    @property
+    def text(self) -> bool:
+        return self.tokenizer is not None
+
+    def snapshot(self) -> Record:
+        """Publish what is pending, then the whole picture as of the records published."""
+        self.flush()
+        return engine_snapshot(self.scheduler, self.kv, self.step, self._owner, self.tokenizer)
+
+    # --------------------------------------------------------- the step loop
+    def begin_step(self) -> None:
+        self.flush()
+        self.step += 1
+
+    def end_step(self, step: SchedulerOutput, outputs: Sequence[RequestOutput]) -> None:
+        for request_id in step.preempted:
+            self._note_before_frees({"k": "preempt", "req": request_id})
+        self._events.extend({"k": "finish", "req": o.request_id} for o in outputs if o.finished)
+        self.flush(force=True)
+
+    def aborted(self, request_id: str) -> None:
+        self._events.append({"k": "abort", "req": request_id})
+
+    def flush(self, force: bool = False) -> None:
+        """Hand the sink the events gathered since the last record (if any, or `force`)."""
+        if self._text_from:
+            self._read_text()
+        if not (self._events or force):
+            return
+        events, self._events = self._events, []
+        self.sink({"step": self.step, "ev": events, "st": figures(self.scheduler, self.kv)})
+
+    # ------------------------------------------------- the allocator's hooks
+    def on_cached(self, block: int) -> None:
+        self._events.append({"k": "cache", "block": block})
+
+    def on_evicted(self, block: int) -> None:
+        self._events.append({"k": "evict", "block": block})
+
+    def on_cache_reset(self) -> None:
+        self._events.append({"k": "reset"})
+
+    # --------------------------------------------------- the manager's hooks
+    def on_admitted(self, seq_id: int, table: TableView, num_hits: int) -> None:
+        req = self._request_of(seq_id)
+        if num_hits:
+            self._events.append(
+                {"k": "hit", "seq": seq_id, "req": req, "blocks": table.blocks[:num_hits]}
+            )
+        self._events.append(
+            {
+                "k": "alloc",
+                "seq": seq_id,
+                "req": req,
+                "blocks": table.blocks[num_hits:],
+                "tokens": table.num_tokens,
+            }
+        )
+        self._length[seq_id] = len(table.blocks)
+        self._tokens[seq_id] = table.num_tokens
+        self._dirty(seq_id, num_hits)
+
+    def on_grown(self, seq_id: int, table: TableView, copies: list[tuple[int, int]]) -> None:
+        req = self._owner.get(seq_id)
+        old_tokens = self._tokens.get(seq_id, 0)
+        for src, dst in copies:
+            index = table.blocks.index(dst)
+            self._events.append(
+                {"k": "cow", "seq": seq_id, "req": req, "index": index, "src": src, "dst": dst}
+            )
+        old_length = self._length.get(seq_id, 0)
+        if len(table.blocks) > old_length:
+            self._events.append(
+                {
+                    "k": "alloc",
+                    "seq": seq_id,
+                    "req": req,
+                    "blocks": table.blocks[old_length:],
+                    "tokens": table.num_tokens,
+                }
+            )
+        elif table.num_tokens != old_tokens:
+            self._events.append(
+                {"k": "append", "seq": seq_id, "req": req, "tokens": table.num_tokens}
+            )
+        else:
+            return
+        self._length[seq_id] = len(table.blocks)
+        self._tokens[seq_id] = table.num_tokens
+        self._dirty(seq_id, old_tokens // self.kv.block_size)
+
+    def on_forked(self, parent_id: int, child_id: int, table: TableView) -> None:
+        req = self._owner.get(parent_id)
+        if req is not None:
+            self._owner[child_id] = req
+        self._events.append({"k": "fork", "seq": child_id, "req": req, "parent": parent_id})
+        self._length[child_id] = len(table.blocks)
+        self._tokens[child_id] = table.num_tokens
+
+    def on_freed(self, seq_id: int, table: TableView) -> None:
+        req = self._owner.pop(seq_id, None)
+        self._events.append({"k": "free", "seq": seq_id, "req": req, "blocks": list(table.blocks)})
+        self._length.pop(seq_id, None)
+        self._tokens.pop(seq_id, None)
+        self._text_from.pop(seq_id, None)
+
+    # ---------------------------------------------------------------- helpers
+    def _seen(self, kv: KVCacheManager) -> None:
+        """Take the tables that exist now as the starting point."""
+        self._owner = owners_of(self.scheduler)
+        for seq_id, table in kv.tables.items():
+            self._length[seq_id] = len(table.blocks)
+            self._tokens[seq_id] = table.num_tokens
+
+    def _request_of(self, seq_id: int) -> str | None:
+        req = self._owner.get(seq_id)
+        if req is None:  # a sequence admitted for the first time: look its request up
+            self._owner.update(owners_of(self.scheduler))
+            req = self._owner.get(seq_id)
+        return req
+
+    def _note_before_frees(self, note: Event) -> None:
+        """Put a note before the first `free` of its request in this step, else last."""
+        req = note["req"]
+        for i, event in enumerate(self._events):
+            if event["k"] == "free" and event["req"] == req:
+                self._events.insert(i, note)
+                return
+        self._events.append(note)
+
+    def _dirty(self, seq_id: int, first_block: int) -> None:
+        if self.tokenizer is not None:
+            self._text_from[seq_id] = min(self._text_from.get(seq_id, first_block), first_block)
+
+    def _read_text(self) -> None:
+        """Text mode: a `text` event for every block whose tokens changed."""
+        seqs = seqs_of(self.scheduler)
+        bs = self.kv.block_size
+        for seq_id, first in self._text_from.items():
+            seq, tokens = seqs.get(seq_id), self._tokens.get(seq_id)
+            if seq is None or tokens is None:
+                continue
+            blocks = self.kv.tables[seq_id].blocks
+            for i in range(first, min(len(blocks), -(-tokens // bs))):
+                ids = seq.token_ids[i * bs : min(tokens, (i + 1) * bs)]
+                self._events.append({"k": "text", "block": blocks[i], "text": self._decode(ids)})
+        self._text_from.clear()
+
+    def _decode(self, token_ids: Iterable[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids)))
+
+
+def owners_of(scheduler: Scheduler) -> dict[int, str]:
+    """Sequence id -> request id of every live request."""
+    return {s.seq_id: r.request_id for r in scheduler.requests.values() for s in r.seqs}
+
+
+def seqs_of(scheduler: Scheduler) -> dict[int, Seq]:
+    return {s.seq_id: s for r in scheduler.requests.values() for s in r.seqs}
+
+
+def figures(scheduler: Scheduler, kv: KVCacheManager) -> dict[str, Any]:
+    """The figures the view charts, after a step."""
+    usage = kv.usage()
+    return {
+        "used": usage.used_blocks,
+        "cached": usage.cached_blocks,
+        "tokens": usage.tokens_stored,
+        "util": round(usage.utilization, 4),
+        "shared": usage.shared_blocks,
+        "run": len(scheduler.running),
+        "wait": len(scheduler.waiting),
+        "seqs": scheduler.num_running_seqs,
+        "pre": scheduler.num_preemptions,
+    }
+
+
+def engine_snapshot(
+    scheduler: Scheduler,
+    kv: KVCacheManager,
+    step: int,
+    owners: dict[int, str] | None = None,
+    tokenizer: Any = None,
+) -> Record:
+    """The pool, every live table and request, and the figures, as one JSON-ready dict.
+    With a tokenizer, `text` maps each used block to its tokens' text."""
+    owners = owners if owners is not None else owners_of(scheduler)
+    snapshot: Record = {
+        "step": step,
+        "pool": PoolState.of(kv, owners).to_json(),
+        "requests": [_request_json(r) for r in scheduler.requests.values()],
+        "st": figures(scheduler, kv),
+    }
+    if tokenizer is not None:
+        seqs = seqs_of(scheduler)
+        bs = kv.block_size
+        text: dict[int, str] = {}
+        for seq_id, table in kv.tables.items():
+            seq = seqs.get(seq_id)
+            for i, block in enumerate(table.blocks if seq is not None else []):
+                if block not in text:
+                    ids = seq.token_ids[i * bs : min(table.num_tokens, (i + 1) * bs)]
+                    text[block] = str(tokenizer.decode(list(ids)))
+        snapshot["text"] = {str(b): t for b, t in text.items()}
+    return snapshot
+
+
+def _request_json(req: Request) -> dict[str, Any]:
+    return {
+        "id": req.request_id,
+        "status": req.status.value,
+        "seqs": [s.seq_id for s in req.seqs],
+        "prompt_tokens": len(req.prompt_token_ids),
+        "tokens": req.num_tokens,
+        "width": req.max_num_seqs,
+        "beam": isinstance(req.params, BeamSearchParams),
+        "preemptions": req.num_preemptions,
+    }

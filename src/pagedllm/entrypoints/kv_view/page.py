@@ -1,0 +1,49 @@
+"""The KV view's HTML: the live page (/kv) and self-contained replay files.
+
+Both are the same template with the same stylesheet and script inlined (no build step,
+no network: a replay file opens from disk anywhere); only the mode and, for a replay,
+the trace differ.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from functools import cache
+from importlib import resources
+from typing import Any
+
+
+@cache
+def _asset(name: str) -> str:
+    return (
+        resources.files("pagedllm.entrypoints.kv_view")
+        .joinpath("static", name)
+        .read_text(encoding="utf-8")
+    )
+
+
+def _script_json(data: Any) -> str:
+    """JSON that is safe inside a <script> element: no `</script>` or `<!--` can close it."""
+    text = json.dumps(data, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def render(mode: str, trace: dict[str, Any] | None = None, title: str = "pagedllm KV view") -> str:
+    """The page: `mode` "live" (reads /kv/events) or "replay" (of `trace`)."""
+    if mode not in ("live", "replay"):
+        raise ValueError(f"mode must be 'live' or 'replay', got {mode!r}")
+    if (trace is None) == (mode == "replay"):
+        raise ValueError("a replay page needs a trace, and only a replay page takes one")
+    parts = {
+        "/*__CSS__*/": _asset("kv_view.css"),
+        "/*__JS__*/": _asset("kv_view.js"),
+        "__CONFIG__": _script_json({"mode": mode}),
+        "__TRACE__": _script_json(trace),
+        "__TITLE__": html.escape(title),
+        "__MODE__": mode,
+    }
+    # One pass: what is put in (a trace, the script) is never searched for markers again.
+    pattern = "|".join(re.escape(marker) for marker in parts)
+    return re.sub(pattern, lambda m: parts[m.group(0)], _asset("kv_view.html"))

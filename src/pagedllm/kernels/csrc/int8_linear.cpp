@@ -1,0 +1,184 @@
+// The int8 linear layer (W8A8) on the CPU: y = dequant(quant(x * inv_smooth) @ Wq^T) + b.
+//
+// Each row of the input (a token) is scaled by the layer's smoothing factors (SmoothQuant:
+// activation outliers moved into the weights) and quantized to int8 with a scale of its
+// own (per token, symmetric); the weights are int8 with one scale per output channel. The
+// int8 product accumulates in int32, exactly, so how it is computed cannot change the
+// result: for a few rows (decode) a matrix-vector loop that streams each weight row once
+// across torch's threads, else torch's `_int_mm`. One pass rescales to fp32 and adds the
+// bias.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+inline float hmax_abs(const float* x, const float* smooth, int64_t k) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(smooth + i));
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+  }
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  float out = _mm_cvtss_f32(s);
+  for (; i < k; ++i) out = std::max(out, std::fabs(x[i] * smooth[i]));
+  return out;
+}
+
+// q[i] = round-half-even(x[i] * smooth[i] * inv_scale), as torch.round does.
+inline void quantize_row(const float* x, const float* smooth, float inv_scale, int8_t* q,
+                         int64_t k) {
+  const __m256 s = _mm256_set1_ps(inv_scale);
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(smooth + i)), s);
+    __m256i n = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    alignas(32) int32_t tmp[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), n);
+    for (int j = 0; j < 8; ++j) q[i + j] = static_cast<int8_t>(tmp[j]);
+  }
+  for (; i < k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * smooth[i] * inv_scale));
+}
+
+constexpr int64_t kGemvRows = 8;
+
+// acc[r, j] = sum_i xq[r, i] * w[j, i] for rows [0, M), features [begin, end), J at a
+// time. AVX2 multiplies unsigned by signed bytes: |x| times w carrying x's sign, whose
+// 16-bit pair sums stay in range (2 * 127 * 127 < 32768); |x| is computed once per chunk
+// and used for J weight rows.
+template <int M, int J>
+void gemv_rows(const int8_t* xp, const int8_t* wp, int32_t* ap, int64_t k, int64_t n,
+               int64_t begin, int64_t end) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t k32 = k / 32 * 32;
+  int64_t j = begin;
+  for (; j + J <= end; j += J) {
+    __m256i acc[M][J];
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < J; ++c) acc[r][c] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < k32; i += 32) {
+      __m256i xs[M], xa[M];
+      for (int r = 0; r < M; ++r) {
+        xs[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * k + i));
+        xa[r] = _mm256_sign_epi8(xs[r], xs[r]);
+      }
+      for (int c = 0; c < J; ++c) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (j + c) * k + i));
+        for (int r = 0; r < M; ++r) {
+          const __m256i prod = _mm256_maddubs_epi16(xa[r], _mm256_sign_epi8(wv, xs[r]));
+          acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(prod, ones));
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r)
+      for (int c = 0; c < J; ++c) {
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[r][c]);
+        int32_t total = 0;
+        for (int32_t v : lanes) total += v;
+        const int8_t* w = wp + (j + c) * k;
+        for (int64_t t = k32; t < k; ++t) total += static_cast<int32_t>(xp[r * k + t]) * w[t];
+        ap[r * n + j + c] = total;
+      }
+  }
+  if (j < end) gemv_rows<M, 1>(xp, wp, ap, k, n, j, end);
+}
+
+template <int M>
+void gemv(const int8_t* xp, const int8_t* wp, int32_t* ap, int64_t k, int64_t n) {
+  constexpr int J = M == 1 ? 4 : M == 2 ? 2 : 1;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    gemv_rows<M, J>(xp, wp, ap, k, n, begin, end);
+  });
+}
+
+// The int32 products of a few quantized rows with the [out, in] int8 weights, which
+// `weight_t` ([in, out]) is a view of.
+at::Tensor int8_gemv(const at::Tensor& xq, const at::Tensor& weight_t) {
+  const int64_t m = xq.size(0), k = xq.size(1), n = weight_t.size(1);
+  TORCH_CHECK(weight_t.stride(0) == 1 && weight_t.stride(1) == k, "weights must be [out, in] rows");
+  auto acc = at::empty({m, n}, xq.options().dtype(at::kInt));
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  const int8_t* wp = weight_t.data_ptr<int8_t>();
+  int32_t* ap = acc.data_ptr<int32_t>();
+  switch (m) {
+    case 1: gemv<1>(xp, wp, ap, k, n); break;
+    case 2: gemv<2>(xp, wp, ap, k, n); break;
+    case 3: gemv<3>(xp, wp, ap, k, n); break;
+    case 4: gemv<4>(xp, wp, ap, k, n); break;
+    case 5: gemv<5>(xp, wp, ap, k, n); break;
+    case 6: gemv<6>(xp, wp, ap, k, n); break;
+    case 7: gemv<7>(xp, wp, ap, k, n); break;
+    default: gemv<8>(xp, wp, ap, k, n); break;
+  }
+  return acc;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const at::Tensor& weight_t,
+                       const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(weight_t.scalar_type() == at::kChar && weight_t.dim() == 2, "weight_t must be int8 [in, out]");
+  const int64_t m = x.size(0), k = x.size(1), n = weight_t.size(1);
+  TORCH_CHECK(weight_t.size(0) == k && inv_smooth.numel() == k && weight_scale.numel() == n,
+              "shapes do not match");
+  auto xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  auto row_scale = at::empty({m}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* sp = inv_smooth.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* rs = row_scale.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float amax = hmax_abs(xp + r * k, sp, k);
+      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+      rs[r] = scale;
+      quantize_row(xp + r * k, sp, 1.0f / scale, qp + r * k, k);
+    }
+  });
+  const at::Tensor acc = m <= kGemvRows ? int8_gemv(xq, weight_t) : at::_int_mm(xq, weight_t);
+  auto out = at::empty({m, n}, x.options());
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* ws = weight_scale.data_ptr<float>();
+  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const __m256 s = _mm256_set1_ps(rs[r]);
+      const int32_t* a = ap + r * n;
+      float* o = op + r * n;
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j)));
+        v = _mm256_mul_ps(_mm256_mul_ps(v, s), _mm256_loadu_ps(ws + j));
+        if (bp != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bp + j));
+        _mm256_storeu_ps(o + j, v);
+      }
+      for (; j < n; ++j) o[j] = static_cast<float>(a[j]) * rs[r] * ws[j] + (bp ? bp[j] : 0.0f);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def(
+      "int8_linear(Tensor x, Tensor inv_smooth, Tensor weight_t, Tensor weight_scale, "
+      "Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("int8_linear", &int8_linear); }

@@ -1,0 +1,79 @@
+"""KV events: what the block bookkeeping tells a listener, and the events a listener makes.
+
+The allocator and the manager each hold a `listener` that stays None unless someone
+watches the pool (the KV view of the server, a `--kv-trace` of an offline run). A hook
+is one `if self.listener is not None:` after an operation has succeeded, so an engine
+nobody watches tests one attribute per operation and builds nothing. Hooks hand over
+live objects (a block table, a block id); the listener copies what it needs at once.
+
+A listener turns the hooks into events: plain JSON-ready dicts, `{"k": kind, ...}`.
+Replaying them in order from the pool they started from gives the pool exactly
+(kv/pool_state.py does it in Python, the page's script in the browser):
+
+  kind     fields                        what happened
+  alloc    seq req blocks tokens         `blocks` (fresh, reference count 1) join the end
+                                         of seq's table, which now claims `tokens` slots;
+                                         a seq not seen before starts a table
+  append   seq req tokens                the table claims more slots in blocks it has
+  hit      seq req blocks                a new table starts with these prefix-cached
+                                         blocks (reference counts +1); `alloc` follows
+  cow      seq req index src dst         copy-on-write: logical block `index` moves from
+                                         the shared `src` to the fresh `dst` (a copy)
+  fork     seq req parent                a new table sharing every block of `parent`'s
+  free     seq req blocks                the table is gone (reference counts -1)
+  cache    block                         the block's full content joins the prefix cache
+  evict    block                         a cached free block is reused: its entry is gone
+  reset                                  the prefix cache forgot every entry
+  preempt  req                           the request's tables were freed to make room; it
+                                         waits to be recomputed
+  finish   req                           the request ended (all its sequences done)
+  abort    req                           the request was aborted
+  text     block text                    (only when text is asked for) the block's tokens
+
+Events of one engine step are grouped in a record `{"step": n, "ev": [...], "st": {...}}`
+with the step's figures in `st` (engine/kv_view.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+Event = dict[str, Any]
+
+# Kinds that change no reference count: notes for the log and the chart.
+NOTE_KINDS = frozenset({"preempt", "finish", "abort", "text"})
+
+
+class TableView(Protocol):
+    """What a listener reads of a block table (kv/block_table.py's BlockTable)."""
+
+    blocks: list[int]
+    num_tokens: int
+
+
+class PoolListener(Protocol):
+    """Hooks of the allocator: the prefix cache's entries come and go."""
+
+    def on_cached(self, block: int) -> None: ...
+
+    def on_evicted(self, block: int) -> None: ...
+
+    def on_cache_reset(self) -> None: ...
+
+
+class KVListener(PoolListener, Protocol):
+    """Hooks of the manager: block tables start, grow, fork and go."""
+
+    def on_admitted(self, seq_id: int, table: TableView, num_hits: int) -> None:
+        """A new table: its first `num_hits` blocks are prefix-cache hits, the rest new."""
+        ...
+
+    def on_grown(self, seq_id: int, table: TableView, copies: list[tuple[int, int]]) -> None:
+        """The table claims more slots, after `copies` (copy-on-write (src, dst))."""
+        ...
+
+    def on_forked(self, parent_id: int, child_id: int, table: TableView) -> None: ...
+
+    def on_freed(self, seq_id: int, table: TableView) -> None:
+        """Called before the table lets go of its blocks."""
+        ...

@@ -1,0 +1,161 @@
+"""PoolState: a plain copy of the pool, read from a manager or rebuilt from KV events.
+
+It holds what the KV view draws: each physical block's reference count and whether it
+is prefix-cached, each live table (its request, blocks and claimed slots), and, derived
+from the tables, each block's fill and owners. `PoolState.of(manager)` reads a manager;
+`apply(event)` replays one event (kv/events.py), so replaying a run's events from the
+state it started in must give `PoolState.of` the manager at the end: the tests check
+exactly that, and the page's script replays the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.kv.events import Event
+from pagedllm.kv.manager import KVCacheManager
+
+
+@dataclass
+class TableState:
+    req: str | None
+    blocks: list[int] = field(default_factory=list)
+    tokens: int = 0
+
+
+class PoolState:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self.cached = [False] * num_blocks
+        self.tables: dict[int, TableState] = {}
+
+    @classmethod
+    def of(cls, kv: KVCacheManager, owners: Mapping[int, str] | None = None) -> PoolState:
+        """The manager's pool now; `owners` maps sequence ids to request ids."""
+        owners = owners or {}
+        state = cls(kv.num_blocks, kv.block_size)
+        alloc = kv.allocator
+        state.ref = [alloc.ref_count(b) for b in range(kv.num_blocks)]
+        state.cached = [alloc.cached_info(b) is not None for b in range(kv.num_blocks)]
+        state.tables = {
+            seq_id: TableState(owners.get(seq_id), list(t.blocks), t.num_tokens)
+            for seq_id, t in kv.tables.items()
+        }
+        return state
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PoolState:
+        """The inverse of `to_json` (fill and owners are derived again)."""
+        state = cls(int(data["num_blocks"]), int(data["block_size"]))
+        state.ref = [int(r) for r in data["ref"]]
+        state.cached = [bool(c) for c in data["cached"]]
+        state.tables = {
+            int(t["seq"]): TableState(t["req"], [int(b) for b in t["blocks"]], int(t["tokens"]))
+            for t in data["seqs"]
+        }
+        return state
+
+    # ------------------------------------------------------------------ replay
+    def apply(self, event: Event) -> None:
+        """Replay one event (see kv/events.py for what each kind means)."""
+        kind = event["k"]
+        if kind == "alloc":
+            table = self.tables.setdefault(event["seq"], TableState(event.get("req")))
+            for block in event["blocks"]:
+                self.ref[block] = 1
+            table.blocks.extend(event["blocks"])
+            table.tokens = event["tokens"]
+        elif kind == "append":
+            self.tables[event["seq"]].tokens = event["tokens"]
+        elif kind == "hit":
+            blocks = list(event["blocks"])
+            for block in blocks:
+                self.ref[block] += 1
+            self.tables[event["seq"]] = TableState(
+                event.get("req"), blocks, len(blocks) * self.block_size
+            )
+        elif kind == "cow":
+            table = self.tables[event["seq"]]
+            self.ref[event["src"]] -= 1
+            self.ref[event["dst"]] = 1
+            table.blocks[event["index"]] = event["dst"]
+        elif kind == "fork":
+            parent = self.tables[event["parent"]]
+            for block in parent.blocks:
+                self.ref[block] += 1
+            self.tables[event["seq"]] = TableState(
+                event.get("req"), list(parent.blocks), parent.tokens
+            )
+        elif kind == "free":
+            table = self.tables.pop(event["seq"])
+            for block in table.blocks:
+                self.ref[block] -= 1
+        elif kind == "cache":
+            self.cached[event["block"]] = True
+        elif kind == "evict":
+            self.cached[event["block"]] = False
+        elif kind == "reset":
+            self.cached = [False] * self.num_blocks
+        # preempt, finish, abort and text change no block.
+
+    def apply_all(self, events: Iterable[Event]) -> PoolState:
+        for event in events:
+            self.apply(event)
+        return self
+
+    # ----------------------------------------------------------------- derived
+    def fill(self) -> list[int]:
+        """Tokens in each block: the most any table holding it has claimed there (as
+        KVCacheManager.usage() counts them); 0 for a free block."""
+        bs = self.block_size
+        filled = [0] * self.num_blocks
+        for table in self.tables.values():
+            for i, block in enumerate(table.blocks):
+                n = min(bs, max(0, table.tokens - i * bs))
+                if n > filled[block]:
+                    filled[block] = n
+        return filled
+
+    def owners(self) -> list[list[str]]:
+        """The requests holding each block, in the order their tables were made."""
+        owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
+        for table in self.tables.values():
+            if table.req is None:
+                continue
+            for block in table.blocks:
+                if table.req not in owners[block]:
+                    owners[block].append(table.req)
+        return owners
+
+    def to_json(self) -> dict[str, Any]:
+        """Per block (columns): reference count, cached, tokens filled, owner requests;
+        per live sequence: its request, block table (logical -> physical) and slots."""
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "ref": list(self.ref),
+            "cached": [int(c) for c in self.cached],
+            "fill": self.fill(),
+            "owners": self.owners(),
+            "seqs": [
+                {"seq": seq_id, "req": t.req, "blocks": list(t.blocks), "tokens": t.tokens}
+                for seq_id, t in sorted(self.tables.items())
+            ],
+        }
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PoolState):
+            return NotImplemented
+        return (
+            self.num_blocks == other.num_blocks
+            and self.block_size == other.block_size
+            and self.ref == other.ref
+            and self.cached == other.cached
+            and self.tables == other.tables
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable

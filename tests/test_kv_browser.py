@@ -1,0 +1,108 @@
+"""The KV view in a real browser (headless Chromium over the DevTools protocol): the live
+page of a busy server (1,456 blocks, 100+ running requests) draws every block, and a
+replay file of a beam search draws its forks and copies. Screenshots go to the test's
+temporary folder, or to $KV_VIEW_SCREENSHOTS when set. Skipped where Chromium is absent
+(`make chromium` installs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from browser import Browser, chromium_path
+from kv_demo import busy_server, freeze_when_busy, record_beam_search, start_load
+from live_server import build_chat_model
+from pagedllm.entrypoints.cli import main
+
+pytestmark = pytest.mark.skipif(
+    chromium_path() is None,
+    reason="Chromium is not installed: `make chromium` installs Debian's chromium package",
+)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    pytest.importorskip("websockets", reason="the DevTools client needs `websockets` (dev extra)")
+    with Browser(width=1500, height=1100) as b:
+        yield b
+
+
+def shots_dir(tmp_path: Path) -> Path:
+    folder = os.environ.get("KV_VIEW_SCREENSHOTS")
+    return Path(folder) if folder else tmp_path
+
+
+def test_live_page_draws_a_busy_pool(browser: Browser, tmp_path: Path) -> None:
+    live = busy_server(api_key="s3cret")
+    try:
+        # The key rides in the URL's fragment, which never reaches the server; the page
+        # keeps it in sessionStorage and gets a stream token with it.
+        browser.goto(live.url + "/kv#key=s3cret")
+        browser.wait_for("document.body.dataset.drawnBlocks === '1456'", "the empty pool")
+        load = start_load(live, count=300)
+        freeze_when_busy(live, running=100)
+        recorder = live.engine.engine.kv_events
+        assert recorder is not None  # the page's stream attached it
+        step = recorder.step
+        browser.wait_for(f"document.body.dataset.step === '{step}'", f"step {step}")
+        browser.wait_for("document.body.dataset.tableArrows > 0", "a block table")
+        data = browser.evaluate("JSON.parse(JSON.stringify(document.body.dataset))")
+        kv = live.engine.engine.kv
+        assert int(data["drawnBlocks"]) == kv.num_blocks == 1456
+        assert int(data["usedBlocks"]) == kv.allocator.num_used_blocks > 1000
+        counts = json.loads(data["counts"])
+        assert counts["fork"] > 0 and counts["cow"] > 0 and counts["alloc"] > 0
+        assert "API key" not in browser.evaluate("document.getElementById('status').textContent")
+        browser.screenshot(shots_dir(tmp_path) / "kv-view-live.png")
+    finally:
+        browser.goto("about:blank")  # an open stream would hold the server's shutdown up
+        live.close()  # the requests still running fail, and the load's thread ends
+    load.join(60)
+    assert not load.is_alive()
+
+
+def test_live_page_asks_for_the_key(browser: Browser) -> None:
+    live = busy_server(num_blocks=64, api_key="s3cret")
+    try:
+        browser.goto(live.url + "/kv#key=wrong")
+        browser.wait_for("!document.getElementById('keybox').hidden", "the key prompt")
+        assert browser.evaluate("document.body.dataset.drawnBlocks") is None
+        # Typed into the prompt, the right key opens the view.
+        browser.evaluate("document.getElementById('keyinput').value = 's3cret'")
+        browser.evaluate("document.getElementById('keyform').requestSubmit()")
+        browser.wait_for("document.body.dataset.drawnBlocks === '64'", "the pool")
+        assert browser.evaluate("document.getElementById('keybox').hidden")
+    finally:
+        browser.goto("about:blank")
+        live.close()
+
+
+def test_replay_of_a_beam_search_shows_forks_and_copies(
+    browser: Browser, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    trace_path = tmp_path / "beam.json"
+    model = os.environ.get("KV_VIEW_BEAM_MODEL")  # the screenshots use the default model
+    if model is None:
+        model = str(build_chat_model(tmp_path_factory))
+    record_beam_search(trace_path, None if model == "default" else model)
+    html = tmp_path / "beam.html"
+    assert main(["kv-view", str(trace_path), "-o", str(html)]) == 0
+    browser.goto(html.as_uri())
+    browser.wait_for("document.body.dataset.tableArrows > 0", "the beams' block tables")
+    data = browser.evaluate("JSON.parse(JSON.stringify(document.body.dataset))")
+    assert data["mode"] == "replay" and data["drawnBlocks"] == "48"
+    counts = json.loads(data["counts"])
+    assert counts["fork"] > 0 and counts["cow"] > 0
+    # Four beams share their first blocks: more arrows than physical blocks.
+    assert int(data["tableArrows"]) > int(data["usedBlocks"])
+    browser.screenshot(shots_dir(tmp_path) / "kv-view-beam-replay.png")
+    # The slider goes back to the start: an empty pool.
+    browser.evaluate(
+        "const s = document.getElementById('slider'); s.value = 0;"
+        "s.dispatchEvent(new Event('input'))"
+    )
+    browser.wait_for("document.body.dataset.usedBlocks === '0'", "the empty pool at step 0")
