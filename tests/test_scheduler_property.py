@@ -75,6 +75,15 @@ def check_invariants(sched: Scheduler) -> None:
                     assert info.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
     running_seqs = sum(r.max_num_seqs for r in sched.running)
     assert running_seqs <= sched.config.max_num_seqs
+    # The pool's figures, kept incrementally, equal a count over every table.
+    bs, filled = kv.block_size, {}
+    for table in kv.tables.values():
+        for i, block in enumerate(table.blocks):
+            filled[block] = max(filled.get(block, 0), min(bs, max(0, table.num_tokens - i * bs)))
+    usage = kv.usage()
+    assert usage.tokens_stored == sum(filled.values())
+    assert usage.block_references == sum(len(t.blocks) for t in kv.tables.values())
+    assert usage.shared_blocks == sum(1 for b in filled if alloc.ref_count(b) > 1)
 
 
 def random_params(rng: random.Random) -> SamplingParams | BeamSearchParams:

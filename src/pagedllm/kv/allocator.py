@@ -53,6 +53,12 @@ class BlockAllocator:
         self._cached_info: dict[int, CachedBlock] = {}
         self.num_evictions = 0
         self.listener: PoolListener | None = None  # the KV view, when one watches
+        # Figures of the blocks in use, kept as they change so that reading them each step
+        # costs nothing: tokens each block holds, their sum, shared blocks, references.
+        self._fill = [0] * num_blocks
+        self.tokens_stored = 0
+        self.num_shared_blocks = 0
+        self.num_references = 0
 
     # ----------------------------------------------------------------- queries
     @property
@@ -92,6 +98,8 @@ class BlockAllocator:
             if self.listener is not None:
                 self.listener.on_evicted(block)
         self._ref_counts[block] = 1
+        self._fill[block] = 0
+        self.num_references += 1
         return block
 
     def allocate_many(self, n: int) -> list[int]:
@@ -107,7 +115,11 @@ class BlockAllocator:
             if block not in self._cached_info:
                 raise ValueError(f"block {block} is free and not cached; allocate it instead")
             del self._free[block]
+            self.tokens_stored += self._fill[block]  # a cached block comes back in use
         self._ref_counts[block] += 1
+        self.num_references += 1
+        if self._ref_counts[block] == 2:
+            self.num_shared_blocks += 1
 
     def free(self, block: int) -> None:
         """Drop one reference; at zero the block returns to the free queue."""
@@ -115,10 +127,20 @@ class BlockAllocator:
         if self._ref_counts[block] == 0:
             raise ValueError(f"double free of KV block {block}")
         self._ref_counts[block] -= 1
+        self.num_references -= 1
+        if self._ref_counts[block] == 1:
+            self.num_shared_blocks -= 1
         if self._ref_counts[block] == 0:
+            self.tokens_stored -= self._fill[block]
             self._free[block] = None
             if block not in self._cached_info:
                 self._free.move_to_end(block, last=False)
+
+    def note_filled(self, block: int, num_tokens: int) -> None:
+        """`block` (in use) now holds at least `num_tokens` tokens."""
+        if num_tokens > self._fill[block]:
+            self.tokens_stored += num_tokens - self._fill[block]
+            self._fill[block] = num_tokens
 
     # ------------------------------------------------------------ prefix cache
     def lookup(self, parent_hash: bytes, token_ids: Sequence[int]) -> tuple[int, bytes] | None:

@@ -75,6 +75,9 @@ class BlockTable:
             copies.append((src, dst))
         while self.capacity < num_tokens:
             self.blocks.append(self.allocator.allocate())
+        bs = self.block_size
+        for i in range(self.num_tokens // bs, -(-num_tokens // bs)):  # the blocks written
+            self.allocator.note_filled(self.blocks[i], min(bs, num_tokens - i * bs))
         self.num_tokens = max(self.num_tokens, num_tokens)
         return copies
 

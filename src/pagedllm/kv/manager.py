@@ -205,22 +205,15 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ figures
     def usage(self) -> KVUsage:
-        bs = self.block_size
-        filled: dict[int, int] = {}
-        references = 0
-        for table in self.tables.values():
-            references += len(table.blocks)
-            for i, block in enumerate(table.blocks):
-                n = min(bs, max(0, table.num_tokens - i * bs))
-                filled[block] = max(filled.get(block, 0), n)
+        """The pool's figures, from counters kept as blocks change (O(1))."""
         alloc = self.allocator
         return KVUsage(
-            block_size=bs,
+            block_size=self.block_size,
             num_blocks=alloc.num_blocks,
             used_blocks=alloc.num_used_blocks,
             free_blocks=alloc.num_free_blocks,
             cached_blocks=alloc.num_cached_blocks,
-            tokens_stored=sum(filled.values()),
-            shared_blocks=sum(1 for b in filled if alloc.ref_count(b) > 1),
-            block_references=references,
+            tokens_stored=alloc.tokens_stored,
+            shared_blocks=alloc.num_shared_blocks,
+            block_references=alloc.num_references,
         )

@@ -73,8 +73,12 @@ class Sampler:
         rows = list(rows)
         gens = list(generators) if generators is not None else [None] * len(rows)
         device = logits.device
-        index = torch.tensor([r.logits_row for r in rows], device=device)
-        logits = logits.index_select(0, index).float()
+        order = [r.logits_row for r in rows]
+        if order != list(range(logits.shape[0])):  # samples forked from one row share it
+            logits = logits.index_select(0, torch.tensor(order, device=device))
+        if all(self._plain_greedy(r) for r in rows):
+            return self._greedy(logits.float())
+        logits = logits.float().clone()  # the filters below write into it
         raw_logprobs = logits.log_softmax(dim=-1)
         suppressed = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_ids]
         if suppressed:
@@ -107,6 +111,29 @@ class Sampler:
             logprobs=chosen.tolist(),
             top_ids=[ids[: r.num_logprobs] for ids, r in zip(top_ids_l, rows, strict=True)],
             top_logprobs=[lp[: r.num_logprobs] for lp, r in zip(top_lp_l, rows, strict=True)],
+        )
+
+    @staticmethod
+    def _plain_greedy(row: SampleRow) -> bool:
+        p = row.params
+        return (
+            p.greedy
+            and not row.num_logprobs
+            and not row.suppressed_ids
+            and not p.logit_bias
+            and not p.has_penalties
+        )
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor) -> SampledTokens:
+        """The common case, argmax with no filters and no top log-probs: the chosen
+        token's log-probability is its logit minus the row's log-sum-exp, with no
+        log-softmax written over the whole vocabulary."""
+        best, tokens = logits.max(dim=-1)
+        logprobs = best - torch.logsumexp(logits, dim=-1)
+        n = logits.shape[0]
+        return SampledTokens(
+            tokens.tolist(), logprobs.tolist(), [[] for _ in range(n)], [[] for _ in range(n)]
         )
 
     def _sample(

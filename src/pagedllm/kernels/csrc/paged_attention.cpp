@@ -108,12 +108,31 @@ inline const float* row_as_float(const T* src, float* dst, int d) {
 }
 inline const float* row_as_float(const float* src, float*, int) { return src; }
 
+// The sums of eight vectors, as one vector: [sum(a[0]), ..., sum(a[7])].
+inline __m256 sum8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
 // Scores s[m, j] = q_m . k_j for M query vectors and n keys.
 inline void scores(const float* q, const float* const* krow, int M, int n, int d, float* s,
                    float* kt) {
-  if (M < 8) {  // decode: a few dot products per key
-    for (int j = 0; j < n; ++j)
-      for (int m = 0; m < M; ++m) s[m * kKeyChunk + j] = dot(q + m * d, krow[j], d);
+  if (M < 8) {  // decode: eight keys at a time per query vector, summed in one reduction
+    for (int j0 = 0; j0 < n; j0 += 8) {
+      const float* k8[8];  // past the last key, any valid row (its scores are masked)
+      for (int jj = 0; jj < 8; ++jj) k8[jj] = krow[j0 + jj < n ? j0 + jj : 0];
+      for (int m = 0; m < M; ++m) {
+        __m256 acc[8];
+        for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_setzero_ps();
+        for (int c = 0; c < d; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + m * d + c);
+          for (int jj = 0; jj < 8; ++jj)
+            acc[jj] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k8[jj] + c), acc[jj]);
+        }
+        _mm256_storeu_ps(s + m * kKeyChunk + j0, sum8(acc));
+      }
+    }
     return;
   }
   // Larger tiles: transpose the keys once, then 4 queries x 16 keys per register block.
@@ -163,10 +182,32 @@ inline void accumulate(float* acc, const float* p, const float* const* vrow, int
   for (; c < d; c += 8) accumulate_span<1>(acc, p, vrow, n, c);
 }
 
+// acc[m] += sum_j p[m, j] * v_j for the M (at most 4) query vectors of one decode row
+// together, 32 dims at a time: each V row is loaded once for all of them.
+template <int M>
+void accumulate_rows(float* acc, const float* p, const float* const* vrow, int n, int d) {
+  for (int c = 0; c < d; c += 32) {
+    __m256 a[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < 4; ++i) a[m][i] = _mm256_loadu_ps(acc + m * d + c + 8 * i);
+    for (int j = 0; j < n; ++j) {
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(vrow[j] + c + 8 * i);
+      for (int m = 0; m < M; ++m) {
+        const __m256 pj = _mm256_set1_ps(p[m * kKeyChunk + j]);
+        for (int i = 0; i < 4; ++i) a[m][i] = _mm256_fmadd_ps(pj, v[i], a[m][i]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + m * d + c + 8 * i, a[m][i]);
+  }
+}
+
 // The online-softmax update of query vector m with this chunk's scores `sm` (visible
-// keys first, the rest masked), then acc += p . V.
+// keys first, the rest masked): sm becomes p, acc and the sum are rescaled; then, unless
+// the caller accumulates for several vectors at once, acc += p . V.
 inline void softmax_step(Scratch& sc, int m, float* sm, int visible, const float* const* vrow,
-                         int d) {
+                         int d, bool accumulate_here = true) {
   for (int j = visible; j < kKeyChunk; ++j) sm[j] = kNegInf;
   const float chunk_max = std::max(hmax(_mm256_loadu_ps(sm)), hmax(_mm256_loadu_ps(sm + 8)));
   const float m_new = std::max(sc.m[m], chunk_max);
@@ -184,7 +225,7 @@ inline void softmax_step(Scratch& sc, int m, float* sm, int visible, const float
     sc.m[m] = m_new;
   }
   sc.l[m] += hsum(_mm256_add_ps(p0, p1));
-  accumulate(am, sm, vrow, visible, d);
+  if (accumulate_here) accumulate(am, sm, vrow, visible, d);
 }
 
 inline void prefetch_rows(const char* first, int64_t bytes) {
@@ -250,12 +291,26 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
       const int mg = (g - it.g0) * per_head;
       float* s = sc.s.data() + mg * kKeyChunk;
       scores(sc.q.data() + mg * d, krow, per_head, n, d, s, sc.kt.data());
+      // A decode row of at most four query heads (with d a multiple of 32) accumulates
+      // its heads together; other tiles one query vector at a time.
+      const bool together = it.rows == 1 && group <= 4 && d % 32 == 0;
       for (int r = 0; r < it.rows; ++r) {
         const int64_t visible = std::min<int64_t>(n, first_pos + it.row0 + r + 1 - k0);
         if (visible <= 0) continue;  // the row's position is before this chunk
         for (int i = 0; i < group; ++i) {
           const int m = mg + r * group + i;
-          softmax_step(sc, m, sc.s.data() + m * kKeyChunk, static_cast<int>(visible), vrow, d);
+          float* sm = sc.s.data() + m * kKeyChunk;
+          softmax_step(sc, m, sm, static_cast<int>(visible), vrow, d, !together);
+        }
+        if (together) {
+          const int vis = static_cast<int>(visible);
+          float* acc = sc.acc.data() + mg * d;
+          switch (group) {
+            case 1: accumulate_rows<1>(acc, s, vrow, vis, d); break;
+            case 2: accumulate_rows<2>(acc, s, vrow, vis, d); break;
+            case 3: accumulate_rows<3>(acc, s, vrow, vis, d); break;
+            default: accumulate_rows<4>(acc, s, vrow, vis, d); break;
+          }
         }
       }
     }
