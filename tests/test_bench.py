@@ -328,6 +328,13 @@ def test_serve_bench_against_a_live_server(tmp_path: Path, capsys) -> None:
         assert [r["metric"] for r in result["results"]] == ["TTFT", "TPOT", "ITL", "E2EL"]
         assert (out / "serve.md").is_file() and (out / "serve_latency_cdf.png").is_file()
         assert main([*argv, "--max-concurrency", "2"]) == 0
+        # The identical load against a second server (here the same one): both, and ratios.
+        assert main([*argv, "--max-concurrency", "3", "--compare-url", server.url]) == 0
+        result = json.loads((out / "serve.json").read_text())
+        assert result["compared"]["summary"]["completed"] == 6
+        rows = {r["metric"]: r for r in result["results"]}
+        assert rows["output tok/s"]["ours"] > 0 and rows["output tok/s"]["ratio"] > 0
+        assert {"TTFT mean ms", "TPOT p99 ms", "ITL median ms"} <= rows.keys()
         # Word prompts need the server's tokenizer, which this one lacks: every request fails.
         assert main([*argv, "--max-concurrency", "2", "--prompt-kind", "words"]) == 1
         assert main([*argv]) == 2  # neither a request rate nor a concurrency cap

@@ -2,7 +2,9 @@
 serve`. It streams the workload's completions at a Poisson `--request-rate` and/or under
 `--max-concurrency`, then reports requests/s, tokens/s, and the mean, median and p99 of
 the latency to the first token (TTFT), per later token (TPOT), between chunks (ITL) and
-end to end (E2EL).
+end to end (E2EL). With `--compare-url` the identical load then goes to a second
+OpenAI-compatible server (llama.cpp's `llama-server`, vLLM, ...) and both are printed side
+by side with their ratios.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompt-kind", choices=kinds, default=kinds[0], help="words: ~1 token each")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--tokenizer", help="model whose tokenizer measures --dataset prompts")
+    p.add_argument("--compare-url", help="then send the identical load to this server too")
 
 
 async def send_one(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
@@ -81,16 +84,16 @@ async def send_one(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestRe
 
 
 async def run_load(
-    args: argparse.Namespace, requests: list[BenchRequest]
+    args: argparse.Namespace, url: str, requests: list[BenchRequest]
 ) -> tuple[list[RequestResult], float, str]:
     """Every request sent at its arrival time; the results, the seconds and the model."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(100, len(requests)))
     timeout = httpx.Timeout(args.timeout, connect=30.0)
     async with httpx.AsyncClient(
-        base_url=args.url, headers=headers, limits=limits, timeout=timeout
+        base_url=url, headers=headers, limits=limits, timeout=timeout
     ) as client:
-        model = args.model
+        model = args.model if url == args.url else None
         if model is None:  # the server's first model
             model = (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
         gate = asyncio.Semaphore(args.max_concurrency or len(requests))
@@ -113,6 +116,43 @@ async def run_load(
         return results, time.perf_counter() - start, model
 
 
+def measure(args: argparse.Namespace, url: str, requests: list[BenchRequest]) -> dict[str, Any]:
+    """One server's figures under the load: a summary, latency rows, errors, requests."""
+    results, seconds, model = asyncio.run(run_load(args, url, requests))
+    ok = [r for r in results if not r.error]
+    inputs, outputs = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
+    summary = {"url": url, "model": model, "completed": len(ok), "failed": len(results) - len(ok)}
+    summary |= {"duration_s": seconds, "total_input_tokens": inputs, "total_output_tokens": outputs}
+    rates = {"request": len(ok), "output": outputs, "total_token": inputs + outputs}
+    summary |= {f"{k}_throughput": v / seconds for k, v in rates.items()}
+    tpot = [(r.latency - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    times = {"TTFT": [r.chunks[0] for r in ok], "TPOT": tpot}
+    times["ITL"] = [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
+    times["E2EL"] = [r.latency for r in ok]
+    rows = [
+        {"metric": name, **distribution([1000 * v for v in values], "_ms", digits=2)}
+        for name, values in times.items()
+    ]
+    errors = sorted({r.error for r in results if r.error})[:10]
+    return {"summary": summary, "rows": rows, "times": times, "errors": errors, "results": results}
+
+
+def comparison(ours: dict[str, Any], theirs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The headline figures of both servers side by side, with ours / theirs."""
+    rows = []
+    for key, label in (("output_throughput", "output tok/s"), ("request_throughput", "req/s")):
+        a, b = ours["summary"][key], theirs["summary"][key]
+        rows.append({"metric": label, "ours": a, "theirs": b, "ratio": a / b if b else None})
+    for mine, other in zip(ours["rows"], theirs["rows"], strict=True):
+        for stat in ("mean", "median", "p99"):
+            a, b = mine[f"{stat}_ms"], other[f"{stat}_ms"]
+            ratio = a / b if a is not None and b else None
+            rows.append(
+                {"metric": f"{mine['metric']} {stat} ms", "ours": a, "theirs": b, "ratio": ratio}
+            )
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rate, cap = args.request_rate, args.max_concurrency
     if (rate, cap) == (None, None) or (rate or 1) <= 0 or (cap or 1) < 1:
@@ -122,33 +162,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     span = TOKEN_ID_RANGE[1] - TOKEN_ID_RANGE[0]
     tokenizer = load_tokenizer(args.tokenizer) if args.dataset else None
     requests = options.workload_of(args, span, options.DEFAULT_MAX_MODEL_LEN, tokenizer)
-    results, seconds, model = asyncio.run(run_load(args, requests))
-    ok = [r for r in results if not r.error]
+    ours = measure(args, args.url, requests)
     config = {"url": args.url, "request_rate": rate or math.inf, "max_concurrency": cap}
-    result = options.new_result("serve", args, model, config, requests=requests)
-    inputs, outputs = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
-    summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": seconds}
-    summary |= {"total_input_tokens": inputs, "total_output_tokens": outputs}
-    rates = {"request": len(ok), "output": outputs, "total_token": inputs + outputs}
-    result["summary"] = summary | {f"{k}_throughput": v / seconds for k, v in rates.items()}
-    tpot = [(r.latency - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    times = {"TTFT": [r.chunks[0] for r in ok], "TPOT": tpot}
-    times["ITL"] = [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
-    times["E2EL"] = [r.latency for r in ok]
-    result["results"] = [
-        {"metric": name, **distribution([1000 * v for v in values], "_ms", digits=2)}
-        for name, values in times.items()
-    ]
-    result["errors"] = sorted({r.error for r in results if r.error})[:10]
-    result["requests"] = [asdict(r) for r in results]
+    result = options.new_result("serve", args, ours["summary"]["model"], config, requests=requests)
+    result["summary"], result["results"] = ours["summary"], ours["rows"]
+    result["errors"] = ours["errors"]
+    result["requests"] = [asdict(r) for r in ours["results"]]
     result["notes"].append(
         f"prompts: {args.prompt_kind}; TTFT from sending to the first streamed chunk; TPOT = "
         "(E2EL - TTFT) / (output tokens - 1); ITL: gaps between streamed chunks"
     )
-    curves = {"TTFT": cdf(times["TTFT"]), "E2EL": cdf(times["E2EL"])}
-    plots = [Plot("latency_cdf", "Request latency", "seconds", "fraction of requests", curves)]
+    curves = {"TTFT": cdf(ours["times"]["TTFT"]), "E2EL": cdf(ours["times"]["E2EL"])}
     columns = "metric=metric|mean_ms=mean|median_ms=median|p99_ms=p99 (ms)"
+    if args.compare_url:  # the identical load, right after, against the other server
+        config["compare_url"] = args.compare_url
+        theirs = measure(args, args.compare_url, requests)
+        result["compared"] = {k: theirs[k] for k in ("summary", "rows", "errors")}
+        result["results"] = comparison(ours, theirs)
+        result["ratios"] = {"output_throughput": result["results"][0]["ratio"]}
+        curves |= {f"{k} (other)": cdf(theirs["times"][k]) for k in ("TTFT", "E2EL")}
+        columns = "metric=metric|ours=ours|theirs=other server|ratio=ours / other"
+        result["errors"] += [f"other server: {e}" for e in theirs["errors"]]
+    plots = [Plot("latency_cdf", "Request latency", "seconds", "fraction of requests", curves)]
     write_outputs(result, args.out, columns, plots)
     for error in result["errors"]:
         print(f"error: {error}", file=sys.stderr)
-    return result | {"exit_code": 0 if ok else 1}
+    return result | {"exit_code": 0 if ours["summary"]["completed"] else 1}

@@ -298,17 +298,23 @@ class AsyncLLMEngine:
                 self._fail(request_id, error)
             return
         self.num_steps += 1
+        # One hand-off per consumer loop and step, not one per request: at 64 streams
+        # that is one wake-up of the event loop instead of 64.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            try:
-                stream._put(out)
-            except Exception as exc:  # e.g. the consumer's event loop is gone
-                self._fail(out.request_id, exc)
-                continue
+            batches.setdefault(stream._loop, []).append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except Exception as exc:  # e.g. the consumer's event loop is gone
+                for stream, out in batch:
+                    self._streams[out.request_id] = stream
+                    self._fail(out.request_id, exc)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         try:
@@ -349,6 +355,12 @@ class AsyncLLMEngine:
             prefix_hit_tokens=sched.prefix_hit_tokens,
             num_steps=self.num_steps,
         )
+
+
+def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """On the consumer's loop: each output into its stream's queue."""
+    for stream, out in batch:
+        stream._queue.put_nowait(out)
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
