@@ -1,15 +1,18 @@
 """Shared fixtures: tiny random Llama-family models (built by `hf_oracle`), saved once
-per session."""
+per session, and a live server over a chat model (built by `live_server`)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_oracle import make_tiny_model
+from live_server import OPTIONS, LiveServer, build_chat_model, start_server
+from pagedllm.entrypoints.llm import LLM
 
 # Deterministic, quick CPU runs whatever the machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -23,3 +26,23 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template."""
+    return build_chat_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir: Path) -> Iterator[LiveServer]:
+    """A real server (uvicorn on a free loopback port) over the chat model, per module."""
+    live = start_server(chat_model_dir)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def offline(chat_model_dir: Path) -> LLM:
+    """The offline API over the same model, for comparing the server's outputs."""
+    return LLM(str(chat_model_dir), **OPTIONS)

@@ -4,6 +4,10 @@ weights, and the engine option builds, runs and refuses what it cannot serve."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,23 @@ def test_the_kernel_equals_the_torch_path_to_the_bit(rows: int, in_f: int, out_f
     slow = Int8Linear(w, b, amax, None)
     assert torch.equal(fast(x), slow(x))
     assert torch.equal(fast(x)[0], b)
+
+
+@pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels on this CPU")
+def test_the_avx2_path_equals_the_torch_path_too() -> None:
+    """Where the CPU has AVX-512 VNNI the kernel uses it; the AVX2 path is checked apart."""
+    code = """
+import torch
+from pagedllm.kernels.cpu import load_cpu_ops
+from pagedllm.model.linear import Int8Linear
+g = torch.Generator().manual_seed(0)
+w, x = torch.randn(96, 200, generator=g), torch.randn(3, 200, generator=g)
+assert torch.equal(Int8Linear(w, ops=load_cpu_ops())(x), Int8Linear(w)(x))
+print("ok")
+"""
+    env = {**os.environ, "PAGEDLLM_NO_VNNI": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "ok", out.stderr
 
 
 def test_int8_stays_close_to_the_float_product() -> None:

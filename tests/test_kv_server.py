@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from live_server import LiveServer, build_chat_model, check_error, start_server
+from live_server import LiveServer, check_error, start_server
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.server.app import create_app
@@ -252,11 +252,6 @@ def test_no_kv_view() -> None:
         assert live.engine.engine.kv.listener is None
     finally:
         live.close()
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_chat_model(tmp_path_factory)
 
 
 @pytest.mark.parametrize("text", [False, True])

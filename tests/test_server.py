@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,30 +20,12 @@ from live_server import (
     NAME,
     OPTIONS,
     LiveServer,
-    build_chat_model,
     check_error,
     post_raw,
     start_server,
 )
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="session")
-def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_chat_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(chat_model_dir: Path) -> Iterator[LiveServer]:
-    live = start_server(chat_model_dir)
-    yield live
-    live.close()
-
-
-@pytest.fixture(scope="module")
-def offline(chat_model_dir: Path) -> LLM:
-    return LLM(str(chat_model_dir), **OPTIONS)
 
 
 def greedy(max_tokens: int = 16, **kw: Any) -> SamplingParams:

@@ -16,31 +16,12 @@ import pytest
 from live_server import (
     CHAT,
     NAME,
-    OPTIONS,
     LiveServer,
-    build_chat_model,
     check_error,
     start_server,
 )
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="session")
-def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_chat_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(chat_model_dir: Path) -> Iterator[LiveServer]:
-    live = start_server(chat_model_dir)
-    yield live
-    live.close()
-
-
-@pytest.fixture(scope="module")
-def offline(chat_model_dir: Path) -> LLM:
-    return LLM(str(chat_model_dir), **OPTIONS)
 
 
 @pytest.fixture(autouse=True)

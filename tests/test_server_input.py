@@ -7,25 +7,12 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from live_server import LiveServer, build_chat_model, check_error, post_raw, start_server
-
-
-@pytest.fixture(scope="session")
-def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_chat_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(chat_model_dir: Path) -> Iterator[LiveServer]:
-    live = start_server(chat_model_dir, body_timeout=0.5)
-    yield live
-    live.close()
+from live_server import LiveServer, check_error, post_raw
 
 
 @pytest.fixture(autouse=True)

@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = {"url": args.url, "request_rate": rate or math.inf, "max_concurrency": cap}
     result = options.new_result("serve", args, ours["summary"]["model"], config, requests=requests)
     result["summary"], result["results"] = ours["summary"], ours["rows"]
+    result["latency"] = ours["rows"]  # kept when `results` becomes a comparison
     result["errors"] = ours["errors"]
     result["requests"] = [asdict(r) for r in ours["results"]]
     result["notes"].append(

@@ -47,6 +47,12 @@ inline void scale_row(const float* x, const float* w, float r, float* out, int64
   for (; i < n; ++i) out[i] = w[i] * (x[i] * r);
 }
 
+// out = x * rsqrt(mean(x^2) + eps) * w, one row.
+inline void norm_row(const float* x, const float* w, double eps, float* out, int64_t n) {
+  const float inv = 1.0f / std::sqrt(sum_squares(x, n) / n + static_cast<float>(eps));
+  scale_row(x, w, inv, out, n);
+}
+
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               name, " must be a float32 [rows, n] tensor with contiguous rows");
@@ -59,9 +65,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* w = weight.data_ptr<float>();
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x.data_ptr<float>() + r * x.stride(0);
-      const float inv = 1.0f / std::sqrt(sum_squares(xr, n) / n + static_cast<float>(eps));
-      scale_row(xr, w, inv, out.data_ptr<float>() + r * n, n);
+      norm_row(x.data_ptr<float>() + r * x.stride(0), w, eps, out.data_ptr<float>() + r * n, n);
     }
   });
   return out;
@@ -82,8 +86,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
       for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(rr + i, _mm256_add_ps(_mm256_loadu_ps(rr + i), _mm256_loadu_ps(xr + i)));
       for (; i < n; ++i) rr[i] += xr[i];
-      const float inv = 1.0f / std::sqrt(sum_squares(rr, n) / n + static_cast<float>(eps));
-      scale_row(rr, w, inv, out.data_ptr<float>() + r * n, n);
+      norm_row(rr, w, eps, out.data_ptr<float>() + r * n, n);
     }
   });
   return out;
