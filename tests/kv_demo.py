@@ -52,7 +52,13 @@ def start_load(live: LiveServer, count: int = 400, seed: int = 0) -> threading.T
         requests.append((f"req-{i}", prompt, params))
 
     async def main() -> None:
-        streams = [await live.engine.add_request(*r) for r in requests]
+        # Queue them all before the engine runs any: over a fake runner a request finishes
+        # in milliseconds, sooner than the next one could be added.
+        live.engine.pause()
+        try:
+            streams = [await live.engine.add_request(*r) for r in requests]
+        finally:
+            live.engine.resume()
         try:
             for stream in streams:
                 async for _ in stream:
@@ -65,11 +71,14 @@ def start_load(live: LiveServer, count: int = 400, seed: int = 0) -> threading.T
     return thread
 
 
-def freeze_when_busy(live: LiveServer, running: int = 100) -> None:
-    """Pause the engine once `running` requests run at once (it keeps its state); returns
-    when no step is in progress any more."""
+def freeze_when_busy(live: LiveServer, running: int = 100, used_blocks: int = 1100) -> None:
+    """Pause the engine once `running` requests run at once and hold `used_blocks` (it
+    keeps its state; the step in progress when it pauses may still finish a few requests);
+    returns when no step is in progress any more."""
     deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
-    while live.engine.snapshot.num_running < running:
+    while (snap := live.engine.snapshot).num_running < running or (
+        snap.usage.used_blocks < used_blocks
+    ):
         assert time.monotonic() < deadline, "the load never got busy"
         time.sleep(0.002)
     live.engine.pause()

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from live_server import LiveServer, check_error, post_raw
+from live_server import LiveServer, check_error, post_raw, start_server
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +86,15 @@ def raw_request(port: int, head: bytes, body: bytes, hang_up: bool = False) -> b
         return bytes(reply)
 
 
-def test_a_body_shorter_than_its_content_length_times_out_with_408(server: LiveServer) -> None:
+def test_a_body_shorter_than_its_content_length_times_out_with_408(chat_model_dir: Path) -> None:
+    server = start_server(chat_model_dir, body_timeout=1.0)  # --body-timeout 1
+    try:
+        check_short_bodies(server)
+    finally:
+        server.close()
+
+
+def check_short_bodies(server: LiveServer) -> None:
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: 100\r\n\r\n"

@@ -1,8 +1,9 @@
 """Three benches of the engine's parts on the real model. `attention`: one layer of the
 model's shape, the engine's paged attention backend (reading K/V through block tables)
 against torch SDPA over contiguous K/V. `decode`: `LLMEngine.step()` with B sequences decoding,
-beside a transformers forward on a static batch of B. `sharing`: the KV blocks parallel
-sampling and beam search save, every step (the vLLM paper's figure).
+beside a transformers forward on a static batch of B, at each tensor-parallel size asked.
+`sharing`: the KV blocks parallel sampling and beam search save, every step (the vLLM
+paper's figure).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 ATTENTION_COLUMNS = "phase=phase|batch=batch|context=context|paged_ms=paged ms|contiguous_ms="
 ATTENTION_COLUMNS += "contiguous ms|overhead=paged / contiguous|max_abs_diff=max abs diff"
 CASES = {"decode": ("1,8,32,64", "128,512,2048"), "prefill": ("1,4", "128,512,1024")}
-DECODE_COLUMNS = "batch=batch|pagedllm_ms=pagedllm ms/step|hf_ms=transformers ms/step|"
-DECODE_COLUMNS += "attention_share=attention share|"
+DECODE_COLUMNS = "tp=TP|batch=batch|pagedllm_ms=pagedllm ms/step|hf_ms=transformers ms/step|"
+DECODE_COLUMNS += "attention_share=attention share|comm_share=communication share|"
 DECODE_COLUMNS += "pagedllm_tok_s=pagedllm tok/s|hf_tok_s=transformers tok/s|speedup=speedup"
 SHARING_COLUMNS = "system=mode|width=n / beams|mean_blocks_in_use=blocks in use (mean)|"
 SHARING_COLUMNS += "mean_blocks_unshared=without sharing (mean)|mean_saved_frac=saved (mean)|"
@@ -47,8 +48,12 @@ def add_parsers(sub: Any) -> None:
             flag, text = f"--{phase}-{what}", f"default: {default}"
             p.add_argument(flag, type=options.int_list, default=default, help=text)
     p.add_argument("--repeats", type=int, default=10, help="timed calls per case (median)")
-    p = sub.add_parser("decode", help="decode step time vs transformers at several batch sizes")
+    text = "decode step time vs transformers at several batch sizes"
+    # "resolve": --tensor-parallel-size is a list here (one engine each), not the engine's int
+    p = sub.add_parser("decode", help=text, conflict_handler="resolve")
     options.add_bench_args(p, "decode", decode, engine={"kv_cache_memory": "2GiB"})
+    text = "tensor-parallel sizes, one engine each (default: 1)"
+    p.add_argument("--tensor-parallel-size", type=options.int_list, default="1", help=text)
     p.add_argument("--batch-sizes", type=options.int_list, default="1,64", help="default: 1,64")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
@@ -144,11 +149,13 @@ def attention(args: argparse.Namespace) -> dict[str, Any]:
     return write_outputs(result, args.out, ATTENTION_COLUMNS, plots)
 
 
-def engine_for(args: argparse.Namespace, batch: int) -> tuple[LLMEngine, LoadedModel]:
-    """An engine over the real model with the command line's options, running at least
-    `batch` sequences per step (the batch the bench measures)."""
+def engine_for(
+    args: argparse.Namespace, batch: int, **overrides: Any
+) -> tuple[LLMEngine, LoadedModel]:
+    """An engine over the real model with the command line's options (then `overrides`),
+    running at least `batch` sequences per step (the batch the bench measures)."""
     loaded = options.get_loaded(args.model)
-    opts = engine_options(args)
+    opts = engine_options(args) | overrides
     opts["max_num_seqs"] = max(opts["max_num_seqs"], batch)
     return LLMEngine(EngineConfig(**opts), loaded), loaded
 
@@ -159,20 +166,27 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[
     return torch.randint(100, vocab_size, (count, length), generator=gen).tolist()
 
 
+def comm_seconds(engine: LLMEngine) -> float:
+    """Seconds the runner has spent in collectives (tensor parallelism), else 0."""
+    return float(getattr(engine.runner, "comm_seconds", 0.0))
+
+
 def decode_step_seconds(engine: LLMEngine, attn: list[float], prompts: list, steps: int) -> tuple:
-    """Median seconds of a decode step, and mean seconds of it in attention (`attn`)."""
+    """Median seconds of a decode step, and mean seconds of it in attention (`attn`) and
+    in collectives."""
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", p, params)
     started: set[str] = set()
     while len(started) < len(prompts):  # prefill (maybe in chunks) until all are decoding
         started.update(out.request_id for out in engine.step())
-    before = attn[0]
+    before = attn[0], comm_seconds(engine)
     seconds, _ = median_seconds(engine.step, steps)
-    in_attention = (attn[0] - before) / (steps + 1)  # median_seconds warms up once
+    in_attention = (attn[0] - before[0]) / (steps + 1)  # median_seconds warms up once
+    in_comm = (comm_seconds(engine) - before[1]) / (steps + 1)
     while engine.has_unfinished_requests():
         engine.step()
-    return seconds, in_attention
+    return seconds, in_attention, in_comm
 
 
 @torch.inference_mode()
@@ -192,29 +206,49 @@ def hf_decode_step_seconds(model: Any, prompts: list[list[int]], steps: int) -> 
 
 
 def decode(args: argparse.Namespace) -> dict[str, Any]:
-    engine, loaded = engine_for(args, max(args.batch_sizes))
-    attention = wrap_attention(engine)
+    loaded = options.get_loaded(args.model)
     hf = None if args.no_hf else load_hf_model(loaded)
-    rows, vocab = [], loaded.config.vocab_size
-    for batch in args.batch_sizes:
-        prompts = random_prompts(vocab, batch, args.prompt_len, args.seed)
-        ours, in_attention = decode_step_seconds(engine, attention, prompts, args.steps)
-        row = {"batch": batch, "pagedllm_ms": round(ours * 1000, 1)}
-        row["pagedllm_tok_s"] = round(batch / ours, 1)
-        row["attention_share"] = round(in_attention / ours, 3)
-        if hf is not None:
-            theirs = hf_decode_step_seconds(hf, prompts, args.steps)
-            row |= {"hf_ms": round(theirs * 1000, 1), "hf_tok_s": round(batch / theirs, 1)}
-            row["speedup"] = ratio(theirs, ours)
-        rows.append(row)
+    vocab, batches = loaded.config.vocab_size, args.batch_sizes
+    prompts = {b: random_prompts(vocab, b, args.prompt_len, args.seed) for b in batches}
+    # Before any engine: a tensor-parallel one gives its ranks shares of the cores.
+    hf_ms = {
+        b: hf_decode_step_seconds(hf, prompts[b], args.steps) for b in batches if hf is not None
+    }
+    rows = []
+    for tp in args.tensor_parallel_size:  # one engine (and its workers) at a time
+        engine, _ = engine_for(args, max(batches), tensor_parallel_size=tp)
+        attention = wrap_attention(engine)
+        for batch in batches:
+            ours, in_attention, in_comm = decode_step_seconds(
+                engine, attention, prompts[batch], args.steps
+            )
+            row = {"tp": tp, "batch": batch, "pagedllm_ms": round(ours * 1000, 1)}
+            row["pagedllm_tok_s"] = round(batch / ours, 1)
+            row["attention_share"] = round(in_attention / ours, 3)
+            row["comm_share"] = round(in_comm / ours, 3)
+            if hf is not None:
+                theirs = hf_ms[batch]
+                row |= {"hf_ms": round(theirs * 1000, 1), "hf_tok_s": round(batch / theirs, 1)}
+                row["speedup"] = ratio(theirs, ours)
+            rows.append(row)
+        backend = engine.runner.attention.name
+        engine.shutdown()
     config = dict(prompt_len=args.prompt_len, steps=args.steps, threads=torch.get_num_threads())
-    config |= {"attention_backend": engine.runner.attention.name}
+    config |= {"attention_backend": backend}
     note = "median of the timed decode steps after the prefill; pagedllm's step includes "
     note += "scheduling, sampling and output processing; transformers' is a forward + argmax"
-    result = options.new_result("decode", args, loaded, config, rows, [note])
-    ms = {"pagedllm": (args.batch_sizes, [r["pagedllm_ms"] for r in rows])}
+    notes = [
+        note,
+        "TP > 1: each rank takes an equal share of the cores; communication share: "
+        "the driver's time in the all-reduces and the logits gather (waits included)",
+    ]
+    result = options.new_result("decode", args, loaded, config, rows, notes)
+    ms = {
+        f"pagedllm TP={tp}": (batches, [r["pagedllm_ms"] for r in rows if r["tp"] == tp])
+        for tp in args.tensor_parallel_size
+    }
     if hf is not None:
-        ms["transformers"] = (args.batch_sizes, [r["hf_ms"] for r in rows])
+        ms["transformers"] = (batches, [round(hf_ms[b] * 1000, 1) for b in batches])
     plots = [Plot("step_ms", "Decode step time", "batch size", "ms per step", ms, log2_x=True)]
     return write_outputs(result, args.out, DECODE_COLUMNS, plots)
 

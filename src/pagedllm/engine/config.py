@@ -62,6 +62,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     quantization: str | None = None  # "int8": W8A8 linear layers (CPU, float32 model)
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # ranks the model is split over (worker/tp_runner.py)
     enable_prefix_caching: bool = True
     kv_reservation: str = "paged"
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
@@ -73,7 +74,7 @@ class EngineConfig:
             raise InvalidParameterError(
                 "kv_cache_memory", f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             _at_least(self, name, 1)
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
@@ -100,6 +101,12 @@ class EngineConfig:
                     "quantization='int8' runs on the CPU with dtype float32; got "
                     f"device={self.device!r}, dtype={self.dtype!r}",
                 )
+        if self.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
+            raise InvalidParameterError(
+                "device",
+                "with tensor_parallel_size > 1, device must be 'cpu' or 'cuda' (rank r takes "
+                f"its machine's GPU r, LOCAL_RANK under torchrun), got {self.device!r}",
+            )
         check_policy(self.kv_reservation)
         if not 0 <= self.watermark < 1:
             raise InvalidParameterError(

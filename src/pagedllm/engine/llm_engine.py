@@ -47,20 +47,9 @@ class LLMEngine:
         self.config = config
         if runner is None:
             # Imported here: an engine over a fake runner never loads torch.
-            from pagedllm.loader import load_model
-            from pagedllm.worker.model_runner import TorchModelRunner
+            from pagedllm.worker.factory import build_runner
 
-            loaded = loaded if loaded is not None else load_model(config.model)
-            runner = TorchModelRunner(
-                loaded,
-                config.dtype,
-                config.device,
-                config.seed,
-                config.kv_cache_dtype,
-                config.attention_backend,
-                config.quantization,
-            )
-            tokenizer = loaded.tokenizer
+            runner, tokenizer = build_runner(config, loaded)
         self.runner = runner
         self.tokenizer = tokenizer
         spec = runner.spec

@@ -67,6 +67,11 @@ OPTIONS = (
     ),
     _Option("device", "torch device: cpu, cuda, cuda:1, ..."),
     _Option(
+        "tensor_parallel_size",
+        "split the model over N ranks (spawned here, or the ranks torchrun started)",
+        int,
+    ),
+    _Option(
         "enable_prefix_caching",
         "do not reuse the KV blocks of shared prompt prefixes",
         flag="--no-prefix-caching",

@@ -3,7 +3,8 @@ flat batch of tokens from many sequences, with no padding.
 
 `forward(input_ids, positions, kv_caches, attn_metadata)` returns the final hidden
 states; `compute_logits` projects only the rows that need logits. Q/K/V and gate/up
-projections are fused into one matmul each.
+projections are fused into one matmul each. Under tensor parallelism the model is built
+from one rank's share (model/sharding.py) and a ParallelContext sums the shares.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layer_ops import TorchLayerOps
 from pagedllm.model.linear import DenseLinear, quantize_linears
+from pagedllm.model.parallel import ParallelContext
 from pagedllm.model.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -46,6 +48,7 @@ class DecoderLayer(nn.Module):
         attention: AttentionFn,
         rotary: RotaryEmbedding,
         ops: TorchLayerOps,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -64,6 +67,7 @@ class DecoderLayer(nn.Module):
         self.attention = attention
         self.rotary = rotary
         self.ops = ops
+        self.parallel = parallel
 
     def forward(
         self,
@@ -89,8 +93,13 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         attn = self.attention(q, k, v, kv_cache[0], kv_cache[1], meta)
         norm = self.post_attention_layernorm
-        x = ops.add_rms_norm(self.o_proj(attn.reshape(t, -1)), residual, norm.weight, norm.eps)
-        return self.down(ops.silu_and_mul(self.gate_up(x))), residual
+        out = self._sum(self.o_proj(attn.reshape(t, -1)))
+        x = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
+        return self._sum(self.down(ops.silu_and_mul(self.gate_up(x)))), residual
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-split projection's output: a partial sum on each rank, added up."""
+        return x if self.parallel is None else self.parallel.all_reduce(x)
 
     @property
     def split_heads(self) -> tuple[int, int, int]:
@@ -103,9 +112,10 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         attention: AttentionFn | None = None,
         ops: TorchLayerOps | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         """`attention` defaults to the reference backend, `ops` (the element-wise work)
-        to pure torch."""
+        to pure torch; `parallel`, when given, is this rank's group (`config` its share)."""
         super().__init__()
         self.config = config
         ops = ops or TorchLayerOps()
@@ -119,11 +129,12 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention, self.rotary, ops)
+            DecoderLayer(config, attention, self.rotary, ops, parallel)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ops = ops
+        self.parallel = parallel
         self.lm_head = DenseLinear(config.hidden_size, config.vocab_size, ops=ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two uses
@@ -136,7 +147,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden, residual = F.embedding(input_ids, self.embed_tokens), None
+        embed = F.embedding if self.parallel is None else self.parallel.embed
+        hidden, residual = embed(input_ids, self.embed_tokens), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
         assert residual is not None, "a model has at least one layer"
@@ -145,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) of the given rows of final hidden states."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.parallel is None else self.parallel.gather_logits(logits)
 
     def quantize_int8(
         self, input_amax: dict[str, torch.Tensor] | None = None, ops: Any = None

@@ -24,6 +24,7 @@ from pagedllm.loader import LoadedModel
 from pagedllm.model.layer_ops import CompiledLayerOps, TorchLayerOps
 from pagedllm.model.linear import observe_inputs
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.parallel import ParallelContext
 from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 from pagedllm.worker.sampler import Sampler
@@ -42,7 +43,11 @@ class TorchModelRunner:
         kv_cache_dtype: str = "auto",
         attention_backend: str = "auto",
         quantization: str | None = None,
+        *,
+        parallel: ParallelContext | None = None,
     ) -> None:
+        """`parallel`: this rank's group when `loaded` holds one tensor-parallel rank's
+        share of the model (worker/tp_runner.py); its logits are gathered on rank 0."""
         self.device = torch.device(device)
         self.dtype: torch.dtype = getattr(torch, dtype)
         self.kv_dtype: torch.dtype = (
@@ -61,7 +66,8 @@ class TorchModelRunner:
             self.attention.name,
             str(self.kv_dtype).removeprefix("torch."),
         )
-        model = LlamaForCausalLM(cfg, self.attention, self._layer_ops(attention_backend))
+        ops = self._layer_ops(attention_backend)
+        model = LlamaForCausalLM(cfg, self.attention, ops, parallel)
         model.load_weights(loaded.weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if quantization == "int8":

@@ -1,0 +1,215 @@
+"""TensorParallelRunner: the model split over N ranks, behind the one ModelRunner interface.
+
+The driver (rank 0, this process) holds the engine, its one scheduler and all the block
+bookkeeping; every step it broadcasts the plain-data SchedulerOutput to the workers,
+then runs its own share of the forward through a TorchModelRunner, whose sampler and
+seeded generators are the single-device runner's own: the logits it samples are the
+whole vocabulary's, gathered on rank 0. Each rank's KV pool holds its heads' share of
+every block, so the block tables are the driver's as they are.
+
+Workers are spawned here (one machine) or were started by a launcher (torchrun, env://);
+see worker/tp_group.py for how ranks meet and the timeouts that keep anything from
+waiting forever. A worker that dies, or any failure in a step, takes the whole group
+down: the step raises (the engine fails its requests), the other workers are stopped,
+and every later step raises at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.engine.config import EngineConfig
+from pagedllm.errors import InvalidParameterError
+from pagedllm.loader import LoadedModel
+from pagedllm.model.sharding import check_tensor_parallel, shard_weights
+from pagedllm.worker.model_runner import TorchModelRunner
+from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
+from pagedllm.worker.tp_group import (
+    TPGroup,
+    env_group,
+    launched_by_torchrun,
+    spawn_group,
+    threads_per_rank,
+)
+from pagedllm.worker.tp_worker import (
+    InitKV,
+    LogitsOf,
+    RunStep,
+    Stop,
+    WorkerInit,
+    build_rank_runner,
+    spawned_main,
+    start_error,
+)
+
+logger = logging.getLogger("pagedllm")
+T = TypeVar("T")
+STOP_SECONDS = 10.0  # how long workers get to leave after Stop before they are terminated
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group failed (a rank died, hung or raised)."""
+
+
+def backend_for(device: str, size: int) -> str:
+    """gloo on CPUs, NCCL on GPUs; InvalidParameterError when this machine has neither."""
+    if device == "cpu":
+        if not (dist.is_available() and dist.is_gloo_available()):
+            raise InvalidParameterError(
+                "tensor_parallel_size", "tensor parallelism on CPUs needs torch.distributed (gloo)"
+            )
+        return "gloo"
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
+        raise InvalidParameterError(
+            "tensor_parallel_size", "tensor parallelism on CUDA needs a torch build with NCCL"
+        )
+    if not launched_by_torchrun() and torch.cuda.device_count() < size:
+        raise InvalidParameterError(
+            "tensor_parallel_size",
+            f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} found",
+        )
+    return "nccl"
+
+
+class TensorParallelRunner:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel, runner_options: dict[str, Any]
+    ) -> None:
+        """`runner_options`: TorchModelRunner's keywords but the device (every rank's)."""
+        size = config.tensor_parallel_size
+        check_tensor_parallel(loaded.config, size)
+        backend = backend_for(config.device, size)
+        cfg = loaded.config
+        self.spec = ModelSpec(cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_ids)
+        self._threads = torch.get_num_threads()
+        self._failure: str | None = None
+        self.group: TPGroup
+        if launched_by_torchrun():
+            self.group = env_group(backend)
+        else:
+            threads = threads_per_rank(size)
+            self.group = spawn_group(size, backend, spawned_main, threads)
+        if backend == "gloo":
+            torch.set_num_threads(threads_per_rank(self.group.local_world_size))
+        try:
+            if self.group.world_size != size:
+                raise InvalidParameterError(
+                    "tensor_parallel_size",
+                    f"tensor_parallel_size={size}, but the launcher started "
+                    f"{self.group.world_size} ranks (WORLD_SIZE)",
+                )
+            self.local = self._start(config, loaded, runner_options)
+        except BaseException:
+            # Ranks may be anywhere in start-up (waiting to report, building, calibrating):
+            # end them rather than wait for them.
+            self._close(stop=False)
+            raise
+        self.parallel = self.local.model.parallel
+        atexit.register(self.shutdown)  # a launcher's workers wait for Stop to exit cleanly
+        logger.info("tensor parallel: %d ranks over %s", size, backend)
+
+    def _start(
+        self, config: EngineConfig, loaded: LoadedModel, runner_options: dict[str, Any]
+    ) -> TorchModelRunner:
+        group, size = self.group, self.group.world_size
+        shares = [shard_weights(loaded.weights, loaded.config, r, size) for r in range(size)]
+        init = WorkerInit(
+            config=loaded.config,
+            runner_options=runner_options,
+            device_type="cpu" if config.device == "cpu" else "cuda",
+            shares=[
+                [(n, (tuple(t.shape), str(t.dtype).removeprefix("torch."))) for n, t in s.items()]
+                for s in shares
+            ],
+            source=loaded.source,
+            hf_dir=loaded.hf_dir,
+            tokenizer=loaded.tokenizer if config.quantization else None,
+        )
+        group.broadcast(init)
+        for rank in range(1, size):
+            group.send_tensors(rank, list(shares[rank].values()))
+            shares[rank] = {}  # sent: free the copies
+        local = build_rank_runner(init, group, shares[0])
+        for rank in range(1, size):
+            status = group.receive_object(rank)
+            if status is not None:
+                raise start_error(rank, status)
+        return local
+
+    # ------------------------------------------------------------- the interface
+    @property
+    def model(self) -> Any:
+        """The driver's share of the model (rank 0's heads)."""
+        return self.local.model
+
+    @property
+    def attention(self) -> Any:
+        return self.local.attention
+
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds the driver has spent in the model's collectives."""
+        return self.parallel.comm_seconds
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one block on each rank (its KV heads' share)."""
+        return self.local.kv_bytes_per_block(block_size)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        msg = InitKV(num_blocks, block_size)
+        self._run(msg, lambda: self.local.init_kv_cache(num_blocks, block_size))
+
+    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+        return self._run(RunStep(step), lambda: self.local.execute(step, rows))
+
+    def logits_of(self, token_ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
+        """Teacher-forced logits [len, vocab], as TorchModelRunner.logits_of."""
+        ids = list(token_ids)
+        return self._run(LogitsOf(ids, chunk), lambda: self.local.logits_of(ids, chunk))
+
+    def shutdown(self) -> None:
+        if self.group.closed:
+            return
+        atexit.unregister(self.shutdown)
+        self._close(stop=self._failure is None)
+        self.local.shutdown()
+
+    # ------------------------------------------------------------------- helpers
+    def _run(self, message: Any, local: Callable[[], T]) -> T:
+        """Every rank does `message`'s work; the driver's part is `local()`."""
+        if self._failure is not None:
+            raise TensorParallelError(self._failure)
+        try:
+            dead = self.group.dead_workers()
+            if dead:
+                raise TensorParallelError("; ".join(dead))
+            self.group.broadcast(message)
+            return local()
+        except Exception as exc:
+            # Ranks may now be out of step: no later step can be trusted. The workers
+            # still alive fail their collectives too and leave; close() ends the rest.
+            self._close(stop=False)
+            dead = self.group.dead_workers()
+            self._failure = "the tensor-parallel group failed (" + (
+                "; ".join(dead) if dead else f"{type(exc).__name__}: {exc}"
+            )
+            self._failure += "); this engine cannot run more steps"
+            raise TensorParallelError(self._failure) from exc
+
+    def _close(self, stop: bool) -> None:
+        """Stop the workers (by message when the group is sound, else by signal) and
+        give the driver's cores back."""
+        if stop and not self.group.closed:
+            try:
+                self.group.broadcast(Stop())
+            except Exception:  # a worker already gone: close() ends the rest
+                logger.warning("tensor parallel: could not tell every worker to stop")
+        self.group.close(wait=STOP_SECONDS if stop else 1.0)
+        torch.set_num_threads(self._threads)
