@@ -77,6 +77,39 @@ def test_outputs_equal_the_offline_engine(make_engine, tiny_llama_dir: Path) -> 
     assert engine.snapshot.usage.used_blocks == 0
 
 
+def test_build_makes_the_engine_on_the_loop_thread(tiny_llama_dir: Path) -> None:
+    import threading
+
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64)
+    built_on: list[threading.Thread] = []
+
+    def make() -> LLMEngine:
+        built_on.append(threading.current_thread())
+        return LLMEngine(config)
+
+    engine = AsyncLLMEngine.build(make)
+    try:
+        assert built_on[0] is not threading.current_thread()
+        assert engine.is_running
+        stepped_on = asyncio.run(engine.call(threading.current_thread))
+        assert stepped_on is built_on[0]
+        got = asyncio.run(run_to_end(engine, "a", PROMPTS[0]))
+        offline = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(
+            PROMPTS[0], GREEDY, use_tqdm=False
+        )
+        assert got == offline[0].outputs[0].token_ids
+        assert engine.snapshot.usage.used_blocks == 0
+    finally:
+        engine.shutdown()
+    assert not engine.is_running
+
+    def fail() -> LLMEngine:
+        raise ValueError("no model here")
+
+    with pytest.raises(ValueError, match="no model here"):
+        AsyncLLMEngine.build(fail)
+
+
 def test_idle_loop_does_not_spin(make_engine) -> None:
     engine = make_engine()
     engine.start()

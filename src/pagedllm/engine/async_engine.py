@@ -8,6 +8,11 @@ sleeps on a condition while there is nothing to do. A failure is contained: requ
 whose add or delivery raises fail alone; if step() raises, the requests running in that
 step fail with the error and the loop serves on. `max_waiting` bounds the backlog: the
 waiting requests beyond what the engine could admit now (see `backlog`).
+
+`AsyncLLMEngine.build` constructs the engine on that thread too, so that one thread does
+all the torch work: libgomp keeps a team of worker threads for every thread that ever ran
+a parallel region, and once the teams outnumber the cores their workers stop spinning
+between regions (measured on 2 cores: a 26 ms decode step took 33 ms on a second thread).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -129,6 +135,31 @@ class AsyncLLMEngine:
         self._stopping = False
         self._paused = False
         self.snapshot = self._take_snapshot()
+
+    @classmethod
+    def build(
+        cls, make_engine: Callable[[], LLMEngine], max_waiting: int | None = None
+    ) -> AsyncLLMEngine:
+        """Build the engine with `make_engine()` on a new loop thread, which then runs the
+        loop; returns once it is built (or raises what building raised)."""
+        built: queue.SimpleQueue[AsyncLLMEngine | BaseException] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                engine = cls(make_engine(), max_waiting)
+            except BaseException as exc:
+                built.put(exc)
+                return
+            with engine._cond:
+                engine._thread = threading.current_thread()
+            built.put(engine)
+            engine._loop()
+
+        threading.Thread(target=run, name="pagedllm-engine", daemon=True).start()
+        result = built.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     @property
     def is_running(self) -> bool:

@@ -99,16 +99,18 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.server.app import create_app
 
     logging.getLogger("pagedllm").setLevel(args.log_level.upper())
-    engine = LLMEngine(engine_config(args))
+    config = engine_config(args)
+    # Built on the loop's thread: all torch work on one thread (see AsyncLLMEngine.build).
+    engine = AsyncLLMEngine.build(lambda: LLMEngine(config), max_waiting=args.max_waiting)
     app = create_app(
         engine,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
-        max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
         body_timeout=args.body_timeout,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
@@ -133,5 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
             args.port,
             " (with token text)" if args.kv_view_text else "",
         )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:  # the app's lifespan stops it too, if uvicorn got as far as starting the app
+        engine.shutdown()
     return 0
