@@ -14,8 +14,9 @@ mkdir -p "$OUT"
 WORKLOAD=(--workload fixed --num-prompts 64 --prompt-len 128 --output-len 128)
 "$BIN/pagedllm" bench throughput --policies paged "${WORKLOAD[@]}" --kv-cache-tokens 20480 \
   --max-model-len 2048 "$@" --out "$OUT/offline" | tail -4
-# The offline batch-1 decode step, for the single stream's time per output token.
-"$BIN/pagedllm" bench decode --batch-sizes 1 --no-hf --steps 32 "$@" --out "$OUT/decode1" | tail -3
+# The offline batch-1 decode step, for the single stream's time per output token: 128
+# steps after a 128-token prompt, the contexts a served request's tokens are made at.
+"$BIN/pagedllm" bench decode --batch-sizes 1 --no-hf --steps 128 "$@" --out "$OUT/decode1" | tail -3
 "$BIN/pagedllm" serve --port "$PORT" --kv-cache-memory 1GiB --no-prefix-caching "$@" \
   > "$OUT/server.log" 2>&1 &
 SERVER=$!

@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 
 from hf_oracle import make_tiny_model
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.server.app import create_app
@@ -96,8 +97,10 @@ class LiveServer:
 
 
 def start_server(model_dir: Path, engine_options: dict[str, Any] | None = None, **app: Any):
-    """A LiveServer over a fresh engine; `app` goes to create_app."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **{**OPTIONS, **(engine_options or {})}))
+    """A LiveServer over a fresh engine, built on its loop thread as `pagedllm serve`
+    builds it; `app` goes to create_app."""
+    config = EngineConfig(model=str(model_dir), **{**OPTIONS, **(engine_options or {})})
+    engine = AsyncLLMEngine.build(lambda: LLMEngine(config))
     return LiveServer(create_app(engine, served_model_name=NAME, **app))
 
 

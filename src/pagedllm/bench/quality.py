@@ -25,10 +25,18 @@ from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 
 DATA = Path(__file__).with_name("data")
-COLUMNS = "system=configuration|perplexity=perplexity|perplexity_change=vs baseline|"
-COLUMNS += "max_logit_diff=max abs logit diff|mean_logit_diff=mean abs logit diff|"
-COLUMNS += "greedy_agreement=greedy agreement|mean_common_prefix=same tokens before a change|"
-COLUMNS += "kv_bytes_per_token=KV bytes/token"
+COLUMNS = "|".join(
+    [
+        "system=configuration",
+        "perplexity=perplexity",
+        "perplexity_change=vs baseline",
+        "max_logit_diff=max abs logit diff",
+        "mean_logit_diff=mean abs logit diff",
+        "greedy_agreement=greedy agreement",
+        "mean_common_prefix=same tokens before a change",
+        "kv_bytes_per_token=KV bytes/token",
+    ]
+)
 
 
 def add_parser(sub: Any) -> None:

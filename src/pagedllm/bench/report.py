@@ -98,7 +98,9 @@ reservations) keeps them memory-bound; our goals are for the ShareGPT-shaped wor
 that budget. On 2 CPU cores the model is compute-bound from a small batch on, so a larger
 batch buys less throughput than on a GPU. The reservation policies take blocks from one
 pool, so their waste here is a lower bound of a contiguous allocator's. The attention
-comparison times the reference backend against torch SDPA, not the paper's CUDA kernel.
+comparison times the engine's default backend here (the compiled CPU kernel, reading K/V
+through the block tables) against torch SDPA on contiguous K/V, not the paper's CUDA
+kernel.
 
 {claims}
 

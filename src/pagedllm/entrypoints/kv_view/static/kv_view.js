@@ -665,7 +665,13 @@
     view.pool = Pool.fromSnapshot(msg.pool, msg.text);
     view.step = msg.step;
     view.st = msg.st;
-    for (const rec of msg.log || []) for (const e of rec.ev) view.log.push([rec.step, e]);
+    // A snapshot stands in for the steps it coalesced: their notable events count as seen.
+    for (const rec of msg.log || []) {
+      for (const e of rec.ev) {
+        view.log.push([rec.step, e]);
+        view.counts[e.k] = (view.counts[e.k] || 0) + 1;
+      }
+    }
     if (msg.series) for (const [step, st] of msg.series) view.series.push(point(step, st));
     view.series.push(point(msg.step, msg.st));
     trimLog();
