@@ -5,6 +5,7 @@ request and frees its blocks."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,8 +79,6 @@ def test_outputs_equal_the_offline_engine(make_engine, tiny_llama_dir: Path) -> 
 
 
 def test_build_makes_the_engine_on_the_loop_thread(tiny_llama_dir: Path) -> None:
-    import threading
-
     config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64)
     built_on: list[threading.Thread] = []
 
