@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint install clean chromium kv-screenshots
 
-$(STAMP): pyproject.toml
+# README.md is the package description (PKG-INFO): reinstall when it changes.
+$(STAMP): pyproject.toml README.md
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU wheel of torch 2.13.0 lies on this machine's disk; pinning it keeps pip

@@ -14,6 +14,7 @@ import functools
 import torch
 import triton.testing
 
+from pagedllm.attention.backends import AttentionBackend
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.attention.triton_backend import TritonPagedAttention
@@ -28,7 +29,15 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / ms / 1e6  # GB/s, read + write
 
 
-def case(heads: int, kv_heads: int, d: int, batch: int, ctx: int, dtype: torch.dtype) -> tuple:
+def case(
+    attn: AttentionBackend,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    batch: int,
+    ctx: int,
+    dtype: torch.dtype,
+) -> tuple:
     per_seq = -(-ctx // BLOCK)
     blocks = batch * per_seq
     perm = torch.randperm(blocks).view(batch, per_seq).tolist()
@@ -42,8 +51,9 @@ def case(heads: int, kv_heads: int, d: int, batch: int, ctx: int, dtype: torch.d
         BLOCK,
         device="cuda",
         dtype=dtype,
-        with_groups=False,
-        query_tile=16,
+        # What the backend reads from the metadata, as the model runner asks for it.
+        with_groups=attn.needs_groups,
+        query_tile=attn.query_tile,
     )
     q = torch.randn(batch, heads, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, kv_heads, d, device="cuda", dtype=dtype)
@@ -59,8 +69,8 @@ def main() -> None:
     for name, (heads, kvh, d) in {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}.items():
         for dtype in (torch.float16, torch.bfloat16):
             for batch, ctx in ((1, 32768), (16, 8192), (64, 4096), (256, 2048)):
-                q, k, v, kc, vc, meta = case(heads, kvh, d, batch, ctx, dtype)
                 attn = TritonPagedAttention(heads, kvh, d, d**-0.5, torch.device("cuda"))
+                q, k, v, kc, vc, meta = case(attn, heads, kvh, d, batch, ctx, dtype)
                 out = attn(q, k, v, kc, vc, meta)
                 ref_meta = build_attention_metadata(
                     [ctx - 1] * batch,

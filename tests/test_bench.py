@@ -226,6 +226,48 @@ def test_claims_without_results() -> None:
     assert all(r["verdict"] == "-" for r in rows)
 
 
+def test_claims_read_each_figure_and_judge_each_goal() -> None:
+    def row(system: str, **figures: float) -> dict[str, float | str]:
+        return {"system": system, **figures}
+
+    policies = [
+        row("paged", kv_utilization=0.97, mean_running_seqs=8.0, generated_tokens_per_s=120.0),
+        row("reserve-max", kv_utilization=0.1, mean_running_seqs=2.0, generated_tokens_per_s=40.0),
+        row("reserve-oracle", kv_utilization=0.5, mean_running_seqs=4.0),
+    ]
+    results = {
+        "throughput": {
+            "command": "pagedllm bench throughput",
+            "results": [*policies, row("hf", generated_tokens_per_s=30.0)],
+        },
+        "memory": {
+            "results": [row("paged", max_empty_slots_per_seq=15, peak_used_blocks=264)],
+            "config": {"block_size": 16, "kv_blocks": 264},
+        },
+        "attention": {"ratios": {"decode_median_overhead": 0.73}},
+        "block-size": {
+            "best_block_size": 16,
+            "results": [{"block_size": 8, "generated_tokens_per_s": 9.0}],
+        },
+    }
+    rows = {r["claim"]: r for r in claims_rows(results)}
+    paged = rows["KV slots holding tokens, paged"]
+    assert paged["measured"] == "97.0% (model run); - (bookkeeping)"
+    assert (paged["verdict"], paged["command"]) == ("met", "`pagedllm bench throughput`")
+    memory = rows["KV memory for the same tokens"]
+    assert memory["measured"] == "89.7% less than reserve-max, 48.5% less than reserve-oracle"
+    assert memory["verdict"] == "met"
+    batch = rows["Batch size (mean concurrent sequences)"]
+    assert batch["measured"].startswith("model run: 4.00x reserve-max, 2.00x reserve-oracle")
+    assert rows["Throughput vs Hugging Face transformers"]["verdict"] == "missed"  # 4x < 5x
+    assert rows["Internal fragmentation"]["verdict"] == "met"
+    assert rows["External fragmentation"]["verdict"] == "met"
+    block = rows["Block size"]["measured"]
+    assert block == "best 16; tok/s by size: 8: 9.00"
+    assert "decode 0.73x, prefill -" in rows["Cost of the block-table indirection"]["measured"]
+    assert rows["Latency at the same load"]["verdict"] == "-"
+
+
 def test_decode_bench_rows(tiny_llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "decode"
     code = main(

@@ -1,5 +1,5 @@
-"""`pagedllm generate`: a run on a tiny model from a prompts file, and bad arguments that
-exit non-zero with a one-line message."""
+"""`pagedllm generate`: a run on a tiny model from a prompts file, bad arguments that
+exit non-zero with a one-line message, and the engine options every command shares."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pagedllm.entrypoints.cli import main
+from pagedllm.entrypoints.cli import build_parser, main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -39,10 +39,42 @@ def test_bad_arguments_exit_with_one_line(args, message, capsys, tiny_llama_dir)
     assert len(err) == 1 and message in err[0], err
 
 
-def test_argparse_errors_are_one_line() -> None:
+def test_bad_engine_option_exits_2_with_one_line_from_the_shell() -> None:
+    """As a process (not main()): exit status 2, the message last, no traceback."""
     result = run_cli("generate", "--max-num-seqs", "0", "x")
     assert result.returncode == 2
     assert "must be an integer >= 1, got 0" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-request-bytes", "0"], "max_request_bytes must be >= 1, got 0"),
+        (["--body-timeout", "nan"], "body_timeout must be > 0 seconds, got nan"),
+    ],
+)
+def test_bad_serve_limits_exit_with_one_line_before_loading(args, message, capsys) -> None:
+    # No such model: the limits are checked first, or the message would be the model's.
+    assert main(["serve", "--model", "/no/such/model", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("argv", "default"),
+    [
+        (["generate", "x"], True),
+        (["serve"], True),
+        (["bench", "throughput"], False),  # the benches start with prefix caching off
+        (["bench", "sharing"], False),
+    ],
+)
+def test_prefix_caching_can_be_turned_on_and_off_whatever_the_default(argv, default) -> None:
+    parser = build_parser()
+    assert parser.parse_args(argv).enable_prefix_caching is default
+    assert parser.parse_args([*argv, "--prefix-caching"]).enable_prefix_caching is True
+    assert parser.parse_args([*argv, "--no-prefix-caching"]).enable_prefix_caching is False
 
 
 def test_generate_from_prompts_file(tmp_path, tiny_llama_dir, capsys) -> None:

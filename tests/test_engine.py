@@ -160,6 +160,31 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir, prompts) ->
     assert again == alone
 
 
+def test_seeded_generators_are_dropped_when_their_sequences_end(tiny_llama_dir, prompts) -> None:
+    llm = LLM(str(tiny_llama_dir))
+    engine = llm.engine
+    generators = engine.runner._generators
+    seeded = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=3, ignore_eos=True)
+    # Aborted, then a step with nothing to run: the ended ids wait for the next real step.
+    engine.add_request("aborted", prompts[0], seeded)
+    engine.step()
+    assert len(generators) == 2
+    engine.abort("aborted")
+    assert engine.step() == []
+    engine.add_request("next", prompts[1], GREEDY)
+    engine.step()
+    assert not generators
+    engine.abort("next")
+    # Finished normally: likewise dropped with the next step that runs.
+    engine.add_request("done", prompts[2], seeded)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.step() == []
+    engine.add_request("after", prompts[3], GREEDY)
+    engine.step()
+    assert not generators
+
+
 def test_stop_token_ids_and_max_tokens(tiny_llama_dir, prompts, oracle) -> None:
     llm = LLM(str(tiny_llama_dir))
     stop_at = oracle[0][5]

@@ -268,12 +268,16 @@ def test_token_text_only_with_kv_view_text(chat_model_dir: Path, text: bool) -> 
             client.completions.create(model="tiny", prompt="Hello there, friend", max_tokens=3)
             body = json.dumps(httpx.get(live.url + "/kv/snapshot").json())
             seen = []
+            finished = False
             for kind, data in messages:
                 seen.append(json.dumps(data))
                 if kind == "update" and any(
                     e["k"] == "finish" for rec in data["records"] for e in rec["ev"]
                 ):
+                    finished = True
                     break
+        # Else the stream ended first, and the checks below would hold of any stream.
+        assert finished, "no finish event in the stream"
         stream_text = "".join(seen)
         if text:
             assert '"k":"text"' in stream_text.replace(" ", "") and "Hello" in stream_text

@@ -24,7 +24,9 @@ def generate(model: Path, trace: Path, *args: str) -> dict[str, Any]:
     argv += ["--max-tokens", "6", "--ignore-eos", "--block-size", "4", "--num-kv-blocks", "64"]
     argv += ["--kv-trace", str(trace)]
     assert main([*argv, *args]) == 0
-    return load_trace(trace)
+    loaded = load_trace(trace)
+    assert loaded["meta"]["command"] == " ".join(["pagedllm", *argv, *args])  # not pytest's
+    return loaded
 
 
 def replay(trace: dict[str, Any]) -> tuple[PoolState, Counter[str]]:

@@ -35,6 +35,28 @@ def test_greedy_and_filters_restrict_the_support() -> None:
     assert draw(SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100})) <= {2, 3, 4, 5}
 
 
+def test_greedy_fast_path_reports_the_general_paths_logprobs(monkeypatch) -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)) * 4
+    greedy = SamplingParams(temperature=0)
+    fast_calls = []
+    real_greedy = Sampler._greedy
+
+    def spy(logits: torch.Tensor) -> object:
+        fast_calls.append(True)
+        return real_greedy(logits)
+
+    monkeypatch.setattr(Sampler, "_greedy", staticmethod(spy))
+    order = [2, 0, 1]
+    fast = Sampler()(logits, [SampleRow(i, i, greedy) for i in order])
+    assert len(fast_calls) == 1
+    # Asking for one top log-prob takes the general path (a full log-softmax).
+    slow = Sampler()(logits, [SampleRow(i, i, greedy, num_logprobs=1) for i in order])
+    assert len(fast_calls) == 1
+    assert fast.token_ids == slow.token_ids == logits.argmax(-1)[order].tolist()
+    assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5)
+    assert fast.logprobs == pytest.approx([ids[0] for ids in slow.top_logprobs], abs=1e-5)
+
+
 def test_temperature_sharpens_the_distribution() -> None:
     sampler = Sampler(torch.Generator().manual_seed(0))
     hot = sampler(LOGITS, [SampleRow(0, 0, SamplingParams(temperature=2.0))] * 2000).token_ids

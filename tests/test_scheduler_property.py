@@ -74,6 +74,7 @@ def check_invariants(sched: Scheduler) -> None:
                     bs = kv.block_size
                     assert info.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
     running_seqs = sum(r.max_num_seqs for r in sched.running)
+    assert sched.running_seq_slots == running_seqs
     assert running_seqs <= sched.config.max_num_seqs
     # The pool's figures, kept incrementally, equal a count over every table.
     bs, filled = kv.block_size, {}
@@ -174,7 +175,9 @@ def test_requests_run_to_completion_without_aborts() -> None:
 def test_group_readmission_never_gives_a_hit_away() -> None:
     """A preempted two-sample request comes back under memory pressure: admitting its
     first sample must not evict the cached block its second sample is about to reuse."""
-    kv = KVCacheManager(num_blocks=6, block_size=4)
+    # Seven blocks, sized so that the group just fits back with no fresh block left: each
+    # sample's new block must come from evicting another request's cached block.
+    kv = KVCacheManager(num_blocks=7, block_size=4)
     sched = Scheduler(
         SchedulerConfig(max_model_len=24, max_num_seqs=4, max_num_batched_tokens=64), kv
     )
@@ -190,15 +193,19 @@ def test_group_readmission_never_gives_a_hit_away() -> None:
         sched.update_from_output(sched.schedule())
         s0.token_ids.append(t0)
         s1.token_ids.append(t1)
-    assert kv.allocate_slots(999, 4)
-    kv.cache_computed_blocks(999, [7, 7, 7, 7], 4)
+    assert kv.allocate_slots(999, 8)
+    kv.cache_computed_blocks(999, [7, 7, 7, 7, 8, 8, 8, 8], 8)
     sched.preempt(req)
     assert kv.allocate_slots(998, 8)  # another request takes the two uncached blocks
     kv.free(999)
+    # Only cached blocks are free, s1's hit queued for eviction ahead of 999's two.
+    assert all(kv.allocator.cached_info(b) is not None for b in kv.allocator.free_block_ids())
+    evictions = kv.allocator.num_evictions
     sched.schedule()
+    assert kv.allocator.num_evictions == evictions + 2
+    assert sched.running == [req]
     for seq in (s0, s1):
-        if seq.seq_id not in kv.tables:
-            continue  # waiting for room: fine
+        assert seq.seq_id in kv.tables  # readmitted, so what follows checks something
         for i, block in enumerate(kv.table(seq.seq_id).blocks):
             info = kv.allocator.cached_info(block)
             if info is not None:

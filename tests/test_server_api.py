@@ -144,6 +144,11 @@ def test_head_model_lookup_and_docs_off_by_default(server: LiveServer) -> None:
     for path in ("/health", "/v1/models", f"/v1/models/{NAME}"):
         r = httpx.head(server.url + path)
         assert r.status_code == 200 and r.content == b"", path
+        # The same headers as GET: the JSON type and the length of the body GET sends.
+        get = httpx.get(server.url + path)
+        assert get.status_code == 200 and get.content, path
+        assert r.headers["content-type"] == get.headers["content-type"] == "application/json"
+        assert r.headers["content-length"] == str(len(get.content)), path
     model = server.client().models.retrieve(NAME)
     assert model.id == NAME and model.object == "model"
     check_error(

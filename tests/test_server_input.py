@@ -195,3 +195,7 @@ def test_errors_name_the_request_field_and_kind(server: LiveServer) -> None:
     ]
     for response, param, code in cases:
         check_error(response, 400, param=param, code=code)
+    # best_of picks the n best at the end, which a stream cannot wait for.
+    streamed = completion(server, prompt="Hi", n=1, best_of=2, stream=True)
+    words = ("best_of must equal n when streaming",)
+    check_error(streamed, 400, param="best_of", code="invalid_value", words=words)

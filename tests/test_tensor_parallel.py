@@ -200,7 +200,7 @@ def test_a_killed_worker_fails_the_engine_and_frees_everything(tiny_llama_dir: P
     try:
         with pytest.raises(StepFailedError) as err:
             generate(llm, PROMPTS, long)
-        assert isinstance(err.value.cause, TensorParallelError)
+        assert isinstance(err.value.__cause__, TensorParallelError)
         assert_pool_whole(llm)
         assert not worker.is_alive()
         with pytest.raises(StepFailedError, match="cannot run more steps"):

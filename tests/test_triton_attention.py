@@ -8,8 +8,8 @@ decode path with its reduction kernel, and the K/V write kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -22,20 +22,13 @@ pytest.importorskip("triton")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attention_cases import Case, make_case
+from attention_cases import make_case
 from pagedllm import LLM, SamplingParams
+from pagedllm.attention import triton_backend
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.attention.triton_backend import QUERY_TILE, TritonPagedAttention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def with_tiles(case: Case, shapes: list[tuple[int, int]]) -> Case:
-    tiles = [(i, r) for i, (_, n) in enumerate(shapes) for r in range(0, n, QUERY_TILE)]
-    meta = dataclasses.replace(
-        case.meta, query_tiles=torch.tensor(tiles, dtype=torch.long, device=DEVICE).view(-1, 2)
-    )
-    return dataclasses.replace(case, meta=meta)
 
 
 def compare(shapes, heads, kv_heads, head_dim, block_size, seed, cache_dtype, dtype) -> None:
@@ -49,8 +42,8 @@ def compare(shapes, heads, kv_heads, head_dim, block_size, seed, cache_dtype, dt
         dtype=dtype,
         cache_dtype=cache_dtype,
         device=DEVICE,
+        query_tile=QUERY_TILE,
     )
-    case = with_tiles(case, shapes)
     k_ref, v_ref = case.fresh_caches()
     k_tri, v_tri = case.fresh_caches()
     ref = ReferenceAttention(heads, kv_heads, head_dim, case.scale)
@@ -84,10 +77,26 @@ def test_triton_with_a_half_precision_model(dtype: torch.dtype) -> None:
     compare([(40, 1), (0, 20), (70, 5)], 8, 2, 64, 16, 0, dtype, dtype)
 
 
-def test_split_decode_is_merged_exactly() -> None:
+class CountingLaunches:
+    """Stands in for a Triton kernel and counts its launches (`kernel[grid](...)`)."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.launches = 0
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_split_decode_is_merged_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     """One long decode and two KV heads: too few programs, so the context is split."""
+    merge = CountingLaunches(triton_backend.merge_splits_kernel)
+    monkeypatch.setattr(triton_backend, "merge_splits_kernel", merge)
     compare([(1200, 1)], 8, 2, 64, 16, 1, torch.float32, torch.float32)
+    assert merge.launches == 1  # the split happened (else the merge has nothing to do)
     compare([(700, 1), (900, 1)], 9, 3, 64, 8, 2, torch.float16, torch.float32)
+    assert merge.launches == 2
 
 
 def test_the_engine_on_triton_generates_what_the_reference_does(tiny_llama_dir) -> None:

@@ -24,9 +24,9 @@ class InvalidParameterError(ValueError):
 
 
 class StepFailedError(RuntimeError):
-    """An engine step raised; `request_ids` are the requests it had scheduled."""
+    """An engine step raised (that exception is the `__cause__`); `request_ids` are the
+    requests it had scheduled."""
 
     def __init__(self, request_ids: tuple[str, ...], cause: BaseException) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
-        self.cause = cause

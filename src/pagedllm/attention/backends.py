@@ -48,7 +48,7 @@ def _cpu(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> Atte
     if head_dim % 8:
         raise ValueError(f"it needs head_dim to be a multiple of 8 (this model's is {head_dim})")
     ops = load_cpu_ops()
-    return CpuPagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, ops.paged_attention)
+    return CpuPagedAttention(head_dim**-0.5, ops.paged_attention)
 
 
 def _triton(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> AttentionBackend:

@@ -20,17 +20,8 @@ class CpuPagedAttention:
     needs_groups = False
     query_tile: int | None = None
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        op: Callable[..., None],
-    ) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+    def __init__(self, scale: float, op: Callable[..., None]) -> None:
+        # Head counts and size are not kept: the kernel reads them from the tensors' shapes.
         self.scale = scale
         self.op = op
 
@@ -45,6 +36,8 @@ class CpuPagedAttention:
     ) -> torch.Tensor:
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         q = query.float()  # the kernel computes in fp32 whatever the model dtype
+        # It takes any row and head strides but rejects a head vector that is not
+        # contiguous (TORCH_CHECK query.stride(2) == 1), which a valid view can be.
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)

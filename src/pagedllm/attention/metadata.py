@@ -30,9 +30,10 @@ class AttentionGroup:
     # Built once per step for every layer; additive because torch's CPU attention has a
     # fast path for it that a boolean mask misses.
     attn_bias: torch.Tensor
-    # [G, 1, Lk, 1] key j < the sequence's context length: slots past it hold anything
+    # [G, 1, Lk, 1] key j >= the sequence's context length: slots past it hold anything
     # (stale K/V, or NaN in fresh memory) and must not reach the softmax, even masked.
-    key_valid: torch.Tensor
+    # Stored inverted, ready for masked_fill_, so no layer computes the negation again.
+    key_pad: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _group(
         max_context_len=max_ctx,
         is_decode=max_q == 1,
         attn_bias=bias[:, None].to(device),
-        key_valid=(torch.arange(max_ctx)[None, :] < context_lens[members][:, None])[
+        key_pad=(torch.arange(max_ctx)[None, :] >= context_lens[members][:, None])[
             :, None, :, None
         ].to(device),
     )

@@ -99,9 +99,11 @@ class ReferenceAttention:
         length = group.max_context_len
         k = gather_context(k_cache, group.block_tables, length, k_buf).transpose(1, 2)
         v = gather_context(v_cache, group.block_tables, length, v_buf).transpose(1, 2)
-        # Unused slots become zeros; a half-precision cache computes in q's dtype.
-        k = k.to(q.dtype).masked_fill(~group.key_valid, 0.0)
-        v = v.to(q.dtype).masked_fill(~group.key_valid, 0.0)
+        # Unused slots become zeros. In place: k and v are views of this call's own gather
+        # buffers, and a new full-context tensor per group and layer cost more than the
+        # attention itself. Then a half-precision cache computes in q's dtype.
+        k = k.masked_fill_(group.key_pad, 0.0).to(q.dtype)
+        v = v.masked_fill_(group.key_pad, 0.0).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=group.attn_bias.to(q.dtype), scale=self.scale, enable_gqa=True
         ).transpose(1, 2)  # [G, Lq, heads, d]

@@ -39,7 +39,6 @@ class TritonPagedAttention:
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device
     ) -> None:
-        self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale

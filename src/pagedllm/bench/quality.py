@@ -47,15 +47,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens compared per prompt")
 
 
+def perplexity(logits: torch.Tensor, text_ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of each next token under `logits`."""
+    logprobs = torch.log_softmax(logits[:-1].double(), -1)
+    return math.exp(-logprobs.gather(1, torch.tensor(text_ids[1:])[:, None]).mean().item())
+
+
 def measure(llm: LLM, text_ids: list[int], prompts: list[list[int]], tokens: int) -> dict:
     logits = llm.engine.runner.logits_of(text_ids)  # type: ignore[attr-defined]
-    logprobs = torch.log_softmax(logits[:-1].double(), -1)
-    nll = -logprobs.gather(1, torch.tensor(text_ids[1:])[:, None]).mean().item()
     params = SamplingParams(temperature=0, max_tokens=tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return {
         "logits": logits,
-        "ppl": math.exp(nll),
+        "ppl": perplexity(logits, text_ids),
         "greedy": [o.outputs[0].token_ids for o in outs],
     }
 

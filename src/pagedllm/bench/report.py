@@ -93,14 +93,13 @@ replaced are reservation policies of this engine, on the same model code and sch
 `reserve-max` reserves max_model_len tokens per request (FasterTransformer, Orca-Max),
 `reserve-pow2` the final length rounded up to a power of two, `reserve-oracle` exactly
 the final length; plus transformers `generate` in static batches, packed knowing every
-output length (which favours it). The KV budget (4224 tokens: two max_model_len=2048
-reservations) keeps them memory-bound; our goals are for the ShareGPT-shaped workload at
-that budget. On 2 CPU cores the model is compute-bound from a small batch on, so a larger
+output length (which favours it). The KV budget ({kv_tokens} tokens, with max_model_len
+{max_model_len}) keeps them memory-bound; our goals are for the ShareGPT-shaped workload
+at that budget. On CPU cores the model is compute-bound from a small batch on, so a larger
 batch buys less throughput than on a GPU. The reservation policies take blocks from one
 pool, so their waste here is a lower bound of a contiguous allocator's. The attention
-comparison times the engine's default backend here (the compiled CPU kernel, reading K/V
-through the block tables) against torch SDPA on contiguous K/V, not the paper's CUDA
-kernel.
+comparison times the engine's `{attention_backend}` backend (reading K/V through the
+block tables) against torch SDPA on contiguous K/V, not the paper's CUDA kernel.
 
 {claims}
 
@@ -141,10 +140,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     first = next(iter(results.values()))
     per_bench = ", ".join(f"{name} {s:.0f} s" for name, s in seconds.items())
     took = f"{sum(seconds.values()):.0f} s ({per_bench})"
+    config = first["config"]
     page = PAGE.format(
         quick=" --quick" * args.quick,
+        kv_tokens=config.get("kv_tokens", "-"),
+        max_model_len=config.get("max_model_len", "-"),
+        attention_backend=results.get("attention", {})
+        .get("config", {})
+        .get("attention_backend", "-"),
         seconds=took,
-        model=first["config"]["model"],
+        model=config["model"],
         load_end=os.getloadavg()[0],
         claims=markdown_table(claims, COLUMNS),
         out=args.out,

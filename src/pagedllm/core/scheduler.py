@@ -54,7 +54,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # request id -> tokens per sequence this step
     blocks_to_copy: tuple[tuple[int, int], ...]  # copy-on-write (source, destination)
     preempted: tuple[str, ...]
-    finished_seq_ids: tuple[int, ...] = ()  # sequences gone since the previous step
+    finished_seq_ids: tuple[int, ...] = ()  # sequences gone since the last step that ran
 
     @property
     def num_batched_tokens(self) -> int:
@@ -190,6 +190,12 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(r.seqs) for r in self.running)
 
+    @property
+    def running_seq_slots(self) -> int:
+        """Sequence slots the running requests hold against `max_num_seqs`: each its
+        `max_num_seqs`, the most sequences it may grow to."""
+        return self._running_seq_slots
+
     # --------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -248,7 +254,11 @@ class Scheduler:
                         needs_logits=end == req.num_tokens,
                     )
                 )
-        finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
+        # The runner hears of ended sequences (and drops their seeded generators) only
+        # through a step it runs: a step with nothing to run keeps them for the next one.
+        finished: tuple[int, ...] = ()
+        if seqs:
+            finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
         return SchedulerOutput(
             seqs=tuple(seqs),
             num_scheduled_tokens=scheduled,

@@ -270,7 +270,7 @@ class AsyncLLMEngine:
         takes a burst it has room for. An estimate (prefix-cache hits and chunking can
         admit more); engine thread only."""
         sched, kv = self.engine.scheduler, self.engine.kv
-        slots = sched.config.max_num_seqs - sum(r.max_num_seqs for r in sched.running)
+        slots = sched.config.max_num_seqs - sched.running_seq_slots
         blocks = kv.num_free_blocks - kv.watermark_blocks
         admissible = 0
         for req in sched.waiting:  # admission is in queue order: stop at the first misfit
@@ -324,8 +324,7 @@ class AsyncLLMEngine:
             failed = exc.request_ids if isinstance(exc, StepFailedError) else None
             logger.exception("engine step failed; failing %s", "its requests" if failed else "all")
             error = RequestFailedError(f"the engine failed: {exc}")
-            everyone = {*self._streams, *self.engine.scheduler.requests}
-            for request_id in failed if failed is not None else everyone:
+            for request_id in failed if failed is not None else self._everyone():
                 self._fail(request_id, error)
             return
         self.num_steps += 1
@@ -370,9 +369,13 @@ class AsyncLLMEngine:
             commands = list(self._commands)
             self._commands.clear()
         self._run(commands)
-        for request_id in [*self._streams, *self.engine.scheduler.requests]:
+        for request_id in self._everyone():
             self._fail(request_id, error)
         self.snapshot = self._take_snapshot()
+
+    def _everyone(self) -> list[str]:
+        """Every request the loop knows of (streams, and the engine's), each once."""
+        return list(dict.fromkeys([*self._streams, *self.engine.scheduler.requests]))
 
     def _take_snapshot(self) -> EngineSnapshot:
         sched = self.engine.scheduler

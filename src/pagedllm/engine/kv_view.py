@@ -95,10 +95,6 @@ class KVRecorder:
         self.kv.listener = None
         self.kv.allocator.listener = None
 
-    @property
-    def text(self) -> bool:
-        return self.tokenizer is not None
-
     def snapshot(self) -> Record:
         """Publish what is pending, then the whole picture as of the records published."""
         self.flush()

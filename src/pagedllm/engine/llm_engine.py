@@ -212,6 +212,7 @@ class LLMEngine:
         rows: list[SampleRow] = []
         targets: list[tuple[Request, Sequence]] = []
         beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
+        forks: list[tuple[Request, Sequence, Sequence]] = []  # (request, parent, new sample)
         row = 0
         for s in step.seqs:
             if not s.needs_logits:
@@ -227,9 +228,20 @@ class LLMEngine:
                 for target in self._samples_for(req, seq):
                     rows.append(self._sample_row(row, req, target))
                     targets.append((req, target))
+                    if target is not seq:
+                        forks.append((req, seq, target))
             row += 1
-        sampled = self.runner.execute(step, rows)
+        try:
+            sampled = self.runner.execute(step, rows)
+        except Exception:
+            # Fork even so: the runner may have seeded generators for the samples, and
+            # only sequences of the request are released when it is aborted.
+            self._fork(forks)
+            raise
         self.scheduler.update_from_output(step)
+        # Forked once the prompt's blocks are hashed: the samples inherit the hashes
+        # instead of hashing the prompt again each.
+        self._fork(forks)
         self.stats.record_step(step, self.scheduler, self.kv)
         if not rows:
             return []
@@ -311,17 +323,17 @@ class LLMEngine:
 
     def _samples_for(self, req: Request, seq: Sequence) -> list[Sequence]:
         """The sequences that draw a token from `seq`'s logits: at the first draw of a
-        parallel-sampling request, the prompt's sequence forks into all its samples."""
+        parallel-sampling request, the prompt's sequence and its new samples (forked from
+        it by the caller)."""
         params = req.params
         assert isinstance(params, SamplingParams)
         if params.num_seqs == 1 or seq.num_output_tokens > 0 or len(req.seqs) > 1:
             return [seq]
-        children = [seq]
-        for i in range(1, params.num_seqs):
-            child = self._new_seq(seq.token_ids, index=i)
-            self.scheduler.fork(req, seq, child)
-            children.append(child)
-        return children
+        return [seq, *(self._new_seq(seq.token_ids, index=i) for i in range(1, params.num_seqs))]
+
+    def _fork(self, forks: list[tuple[Request, Sequence, Sequence]]) -> None:
+        for req, parent, child in forks:
+            self.scheduler.fork(req, parent, child)
 
     def _sample_row(self, row: int, req: Request, seq: Sequence) -> SampleRow:
         params = req.params

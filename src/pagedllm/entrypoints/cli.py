@@ -115,7 +115,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.kv_trace:
         from pagedllm.engine.kv_trace import KVTrace
 
-        command = "pagedllm " + " ".join(sys.argv[1:]) if sys.argv[1:] else "pagedllm generate"
+        command = "pagedllm " + " ".join(args.argv)
         trace = KVTrace.record(llm.engine, text=args.kv_trace_text, command=command)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     _log_to_stderr()
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # the command as given, for records of the run (a KV trace's)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:

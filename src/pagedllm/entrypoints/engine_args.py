@@ -3,8 +3,9 @@ benches.
 
 Every EngineConfig field has exactly one option here, and its default comes from
 EngineConfig itself, so the command line and the Python API cannot drift apart. A command
-may start from other defaults (`add_engine_args(parser, enable_prefix_caching=False)`);
-values are validated by EngineConfig, whose errors name the option.
+may start from other defaults (`add_engine_args(parser, enable_prefix_caching=False)`),
+so a boolean takes both forms (`--prefix-caching`, `--no-prefix-caching`); values are
+validated by EngineConfig, whose errors name the option.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class _Option:
     type: Callable[[str], Any] | None = None
     choices: tuple[str, ...] | None = None
     flag: str | None = None  # default: --field-name
-    switch_off: bool = False  # a `--no-...` flag for a boolean that defaults to on
+    boolean: bool = False  # --flag and --no-flag, whatever the default
 
     @property
     def dest(self) -> str:
@@ -73,9 +74,9 @@ OPTIONS = (
     ),
     _Option(
         "enable_prefix_caching",
-        "do not reuse the KV blocks of shared prompt prefixes",
-        flag="--no-prefix-caching",
-        switch_off=True,
+        "reuse the KV blocks of shared prompt prefixes",
+        flag="--prefix-caching",
+        boolean=True,
     ),
     _Option(
         "kv_reservation",
@@ -97,19 +98,12 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     for opt in OPTIONS:
         default = defaults.get(opt.field, base[opt.field])
         flag = opt.flag or "--" + opt.field.replace("_", "-")
-        if opt.switch_off:
-            group.add_argument(flag, dest=opt.dest, action="store_false", help=opt.help)
-            parser.set_defaults(**{opt.dest: default})
-            continue
         shown = "" if default is None else f" (default: {default})"
-        group.add_argument(
-            flag,
-            dest=opt.dest,
-            type=opt.type,
-            choices=opt.choices,
-            default=default,
-            help=opt.help + shown,
-        )
+        kwargs: dict[str, Any] = dict(dest=opt.dest, default=default, help=opt.help + shown)
+        if opt.boolean:  # no type or choices: BooleanOptionalAction warns of them (3.14)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            group.add_argument(flag, type=opt.type, choices=opt.choices, **kwargs)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

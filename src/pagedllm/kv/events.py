@@ -40,9 +40,6 @@ from typing import Any, Protocol
 
 Event = dict[str, Any]
 
-# Kinds that change no reference count: notes for the log and the chart.
-NOTE_KINDS = frozenset({"preempt", "finish", "abort", "text"})
-
 
 class TableView(Protocol):
     """What a listener reads of a block table (kv/block_table.py's BlockTable)."""

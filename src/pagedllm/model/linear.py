@@ -1,6 +1,6 @@
 """The model's linear layers: dense, and int8 (W8A8) for CPUs.
 
-`DenseLinear` holds float weights and calls F.linear. `Int8Linear` computes the same
+`DenseLinear` holds float weights; the layer ops multiply. `Int8Linear` computes the same
 product in int8: weights with one scale per output channel, and activations quantized at
 every call with one scale per token (dynamic quantization); int8 x int8 products
 accumulate in int32 and are rescaled to fp32. Per-token scales alone cost a small model
@@ -18,8 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.model.layer_ops import TorchLayerOps
 
 SMOOTHING_ALPHA = 0.5
 
@@ -28,15 +29,13 @@ class DenseLinear(nn.Module):
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, ops: Any = None
     ) -> None:
-        """`ops` (layer_ops.py) computes the product; None: F.linear."""
+        """`ops` (layer_ops.py) computes the product; None: the torch reference."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.ops = ops
+        self.ops = ops if ops is not None else TorchLayerOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is None:
-            return F.linear(x, self.weight, self.bias)
         return self.ops.linear(x, self.weight, self.bias)
 
 

@@ -22,17 +22,14 @@ class FakeModelRunner:
         self.spec = spec
         self.token = token
         self.rng = random.Random(seed) if seed is not None else None
-        self.num_steps = 0
-        self.num_blocks = 0
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = num_blocks
+        pass  # no K/V to hold
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
-        self.num_steps += 1
         vocab = self.spec.vocab_size
         tokens, top_ids, top_lps = [], [], []
         for row in rows:

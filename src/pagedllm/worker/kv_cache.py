@@ -23,7 +23,6 @@ class PagedKVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.bytes_per_block = block_size * config.kv_bytes_per_token(dtype.itemsize)
         # zeros() maps pages lazily, so an unused pool costs no resident memory.
         self.data = torch.zeros(
             config.num_hidden_layers,

@@ -33,16 +33,20 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.server.errors import (
     APIError,
+    client_closed,
     from_validation_error,
     install_error_handlers,
 )
 from pagedllm.entrypoints.server.kv_feed import KVFeed
 from pagedllm.entrypoints.server.kv_routes import kv_router
+from pagedllm.entrypoints.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BYTES,
+    check_limits,
+)
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.serving import Serving
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 M = TypeVar("M", bound=BaseModel)
 
@@ -78,10 +82,7 @@ def create_app(
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     elif max_waiting is not None:
         engine.max_waiting = max_waiting
-    if max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    if not body_timeout > 0:
-        raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout}")
+    check_limits(max_request_bytes, body_timeout)
     api_key = api_key or None  # "" (e.g. PAGEDLLM_API_KEY="") means no key, as it reads
     async_engine = engine
     llm = async_engine.engine
@@ -155,7 +156,7 @@ def create_app(
                 headers={"Connection": "close"},  # the rest of the body may still come
             ) from None
         except ClientDisconnect:
-            raise APIError(499, "client closed the request", code="client_closed") from None
+            raise client_closed() from None
 
     async def read_request(request: Request, model: type[M]) -> M:
         body = await read_body(request)

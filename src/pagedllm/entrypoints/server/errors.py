@@ -77,6 +77,12 @@ class ASCIIJSONResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
+def client_closed() -> APIError:
+    """The client hung up before its response was ready (nginx's 499: never sent, but
+    counted in the metrics)."""
+    return APIError(499, "client closed the request", code="client_closed")
+
+
 def from_invalid_param(
     exc: InvalidParameterError, fields: Mapping[str, str] | None = None
 ) -> APIError:

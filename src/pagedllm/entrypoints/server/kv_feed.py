@@ -1,11 +1,11 @@
 """KVFeed: the engine's KV records to any number of browsers, never making the engine wait.
 
 The engine thread's only part is `_publish`: it puts a step's record in a ring (a dict
-keyed by a running number, trimmed to `max_records` records and `max_events` events), a
+keyed by a running number, trimmed to `max_records` records and MAX_EVENTS events), a
 few dict operations that take no lock and do not depend on any reader. Each SSE client
 is a coroutine on the server's event loop that wakes every `interval` seconds and sends
 ONE message: an `update` with the records it has not seen, or, when it fell behind (the
-ring dropped records it had not read, or they hold more than `max_events_per_message`
+ring dropped records it had not read, or they hold more than MAX_EVENTS_PER_MESSAGE
 events), a fresh `snapshot` instead: steps coalesce under load, and a slow reader costs
 the server one message in flight and the engine nothing. Snapshots are built on the
 engine thread between steps (`AsyncLLMEngine.call`), one at a time however many clients
@@ -31,6 +31,8 @@ HEARTBEAT_S = 15.0  # an SSE comment now and then keeps proxies from closing an 
 # uvicorn's graceful shutdown waits for open responses, and a stream that never ended
 # would hold it up for good.
 MAX_STREAM_S = 30.0
+MAX_EVENTS = 50_000  # held in the ring, all records together
+MAX_EVENTS_PER_MESSAGE = 5_000  # an update with more is a snapshot instead
 
 
 class KVFeed:
@@ -41,9 +43,6 @@ class KVFeed:
         text: bool = False,
         interval: float = 0.25,
         max_records: int = 2048,
-        max_events: int = 50_000,
-        max_events_per_message: int = 5_000,
-        max_stream_s: float = MAX_STREAM_S,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval}")
@@ -51,11 +50,7 @@ class KVFeed:
         self.text = text
         self.interval = interval
         self.max_records = max_records
-        self.max_events = max_events
-        self.max_events_per_message = max_events_per_message
-        self.max_stream_s = max_stream_s
         self.subscribers = 0
-        self.messages_sent = 0
         self._records: dict[int, Record] = {}
         self._tail = 0  # oldest record kept
         self._head = 0  # next record's number
@@ -71,7 +66,7 @@ class KVFeed:
         self._held_events += len(record["ev"])
         self._head += 1  # after the insert: a reader never sees a number without its record
         while self._head - self._tail > self.max_records or (
-            self._held_events > self.max_events and self._head - self._tail > 1
+            self._held_events > MAX_EVENTS and self._head - self._tail > 1
         ):
             self._held_events -= len(self._records.pop(self._tail)["ev"])
             self._tail += 1
@@ -105,10 +100,6 @@ class KVFeed:
         return self._head - self._tail
 
     @property
-    def retained_events(self) -> int:
-        return self._held_events
-
-    @property
     def attached(self) -> bool:
         return self._recorder is not None
 
@@ -132,7 +123,7 @@ class KVFeed:
             snapshot, cursor = await self.engine.call(self._take_snapshot)
             yield self._message("snapshot", snapshot)
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.max_stream_s
+            deadline = loop.time() + MAX_STREAM_S
             idle = 0.0
             while True:
                 await asyncio.sleep(self.interval)
@@ -149,7 +140,7 @@ class KVFeed:
                 idle = 0.0
                 records = [self._records.get(n) for n in range(cursor, head)]
                 if any(r is None for r in records) or (
-                    sum(len(r["ev"]) for r in records if r) > self.max_events_per_message
+                    sum(len(r["ev"]) for r in records if r) > MAX_EVENTS_PER_MESSAGE
                 ):
                     # Behind: one snapshot instead, with the skipped steps' figures and notes.
                     start = cursor
@@ -175,7 +166,6 @@ class KVFeed:
         task.add_done_callback(self._tasks.discard)
 
     def _message(self, kind: str, data: Record) -> str:
-        self.messages_sent += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 

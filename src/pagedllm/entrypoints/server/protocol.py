@@ -92,6 +92,9 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         _refuse({"echo": self.echo, "suffix": bool(self.suffix)})
+        # The n best of best_of are known only at the end: a stream could not send them.
+        if self.stream and self.best_of not in (None, self.n):
+            raise InvalidParameterError("best_of", "best_of must equal n when streaming")
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The batch: a single prompt is a batch of one (an empty list stays one, empty,

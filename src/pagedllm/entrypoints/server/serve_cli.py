@@ -7,27 +7,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_config
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
+from pagedllm.entrypoints.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BYTES,
+    check_limits,
+)
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
@@ -49,22 +36,22 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-waiting",
-        type=_int_at_least(0),
+        type=int,
         default=None,
         help="refuse new requests with 503 while this many are waiting beyond what the "
         "engine can admit (default: no limit)",
     )
     p.add_argument(
         "--max-request-bytes",
-        type=_int_at_least(1),
-        default=1 << 20,
-        help="largest request body accepted (413 beyond; default 1 MiB)",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted, in bytes (413 beyond; default %(default)s)",
     )
     p.add_argument(
         "--body-timeout",
-        type=_positive_float,
-        default=30.0,
-        help="seconds a client has to send its whole request body (408 after; default 30)",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a client has to send its whole request body (408 after; default %(default)g)",
     )
     p.add_argument(
         "--allowed-origins",
@@ -104,38 +91,40 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.server.app import create_app
 
     logging.getLogger("pagedllm").setLevel(args.log_level.upper())
+    # Bad values fail here, before a model loads (create_app checks the limits again).
+    check_limits(args.max_request_bytes, args.body_timeout)
     config = engine_config(args)
     # Built on the loop's thread: all torch work on one thread (see AsyncLLMEngine.build).
     engine = AsyncLLMEngine.build(lambda: LLMEngine(config), max_waiting=args.max_waiting)
-    app = create_app(
-        engine,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes,
-        body_timeout=args.body_timeout,
-        allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
-        enable_docs=args.enable_docs,
-        kv_view=args.kv_view,
-        kv_view_text=args.kv_view_text,
-    )
-    key = "required" if args.api_key else "not required"
-    if args.api_key == "":
-        key += ": the API key given is empty, which means no key"
-    logging.getLogger("pagedllm").info(
-        "serving '%s' at http://%s:%d/v1 (API key %s)",
-        app.state.model_name,
-        args.host,
-        args.port,
-        key,
-    )
-    if args.kv_view:
+    try:
+        app = create_app(
+            engine,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            max_request_bytes=args.max_request_bytes,
+            body_timeout=args.body_timeout,
+            allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+            enable_docs=args.enable_docs,
+            kv_view=args.kv_view,
+            kv_view_text=args.kv_view_text,
+        )
+        key = "required" if args.api_key else "not required"
+        if args.api_key == "":
+            key += ": the API key given is empty, which means no key"
         logging.getLogger("pagedllm").info(
-            "KV cache view at http://%s:%d/kv%s",
+            "serving '%s' at http://%s:%d/v1 (API key %s)",
+            app.state.model_name,
             args.host,
             args.port,
-            " (with token text)" if args.kv_view_text else "",
+            key,
         )
-    try:
+        if args.kv_view:
+            logging.getLogger("pagedllm").info(
+                "KV cache view at http://%s:%d/kv%s",
+                args.host,
+                args.port,
+                " (with token text)" if args.kv_view_text else "",
+            )
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:  # the app's lifespan stops it too, if uvicorn got as far as starting the app
         engine.shutdown()

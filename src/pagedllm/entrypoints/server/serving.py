@@ -19,14 +19,12 @@ from fastapi.responses import JSONResponse, Response
 import pagedllm.entrypoints.server.protocol as p
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.entrypoints.server.errors import APIError, from_invalid_param
+from pagedllm.entrypoints.server.errors import from_invalid_param
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.streaming import (
-    ClientDisconnected,
     Delta,
     DeltaTracker,
-    Generation,
     collect,
     sse_response,
     submit,
@@ -67,12 +65,11 @@ class Serving:
     # ---------------------------------------------------------- completions
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
+        created = int(time.time())  # one value for every chunk of a stream, as OpenAI's
         rid = f"cmpl-{uuid.uuid4().hex}"
         with request_fields(req.param_names()):
             req.check()
             params = req.sampling_params()
-            if req.stream and params.best_of not in (None, params.n):
-                raise InvalidParameterError("best_of", "best_of must equal n when streaming")
             prompts = await self.encoder.prompts(req.prompts())
             gen = await submit(self.engine, self.metrics, rid, prompts, params, arrival)
         k = req.logprobs
@@ -91,7 +88,7 @@ class Serving:
             return {
                 "id": rid,
                 "object": "text_completion",
-                "created": int(time.time()),
+                "created": created,
                 "model": self.model_name,
                 "choices": choices,
                 "usage": usage,
@@ -106,7 +103,7 @@ class Serving:
                         yield body([choice(d)], None)
 
             return sse_response(gen, chunks, self._usage_chunk(req.include_usage, body))
-        finals = await self._final(raw, gen)
+        finals = await collect(raw, gen)
         choices = [choice(d) for i, out in enumerate(finals) for d in deltas.deltas(out, i * n)]
         return JSONResponse(body(choices, usage_of(finals)))
 
@@ -126,6 +123,7 @@ class Serving:
     # ----------------------------------------------------------------- chat
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
+        created = int(time.time())  # one value for every chunk of a stream, as OpenAI's
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         with request_fields(req.param_names()):
             req.check()
@@ -145,7 +143,7 @@ class Serving:
             return {
                 "id": rid,
                 "object": obj,
-                "created": int(time.time()),
+                "created": created,
                 "model": self.model_name,
                 "choices": choices,
                 "usage": usage,
@@ -181,7 +179,7 @@ class Serving:
                         )
 
             return sse_response(gen, chunks, self._usage_chunk(req.include_usage, body))
-        finals = await self._final(raw, gen)
+        finals = await collect(raw, gen)
         choices = [
             {
                 "index": d.index,
@@ -225,10 +223,3 @@ class Serving:
                 yield body([], usage_of(finals))
 
         return last
-
-    @staticmethod
-    async def _final(raw: Request, gen: Generation) -> list[RequestOutput]:
-        try:
-            return await collect(raw, gen)
-        except ClientDisconnected:
-            raise APIError(499, "client closed the request", code="client_closed") from None

@@ -27,15 +27,11 @@ from pagedllm.engine.async_engine import (
     RequestStream,
 )
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.entrypoints.server.errors import APIError
+from pagedllm.entrypoints.server.errors import APIError, client_closed
 from pagedllm.entrypoints.server.metrics import RequestTracker, ServerMetrics
 from pagedllm.sampling_params import SamplingParams
 
 RETRY_AFTER_S = 1
-
-
-class ClientDisconnected(Exception):
-    """The client hung up before the response was ready."""
 
 
 @dataclass
@@ -95,8 +91,8 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def collect(request: Request, gen: Generation) -> list[RequestOutput]:
-    """The final output of each prompt, in order; ClientDisconnected (everything
-    aborted) if the client left first."""
+    """The final output of each prompt, in order; the 499 APIError (everything aborted)
+    if the client left first."""
 
     async def consume() -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
@@ -114,7 +110,7 @@ async def collect(request: Request, gen: Generation) -> list[RequestOutput]:
             task.cancel()
             gen.end("abort")
     if not task.done():  # cancelled above: it is still unwinding, without a result
-        raise ClientDisconnected()
+        raise client_closed()
     try:
         return task.result()
     except RequestFailedError as exc:

@@ -22,6 +22,8 @@
 #include <optional>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 inline float hmax_abs(const float* x, const float* smooth, int64_t k) {
@@ -32,10 +34,7 @@ inline float hmax_abs(const float* x, const float* smooth, int64_t k) {
     __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(smooth + i));
     m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
   }
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  float out = _mm_cvtss_f32(s);
+  float out = pagedllm::hmax(m);
   for (; i < k; ++i) out = std::max(out, std::fabs(x[i] * smooth[i]));
   return out;
 }

@@ -5,7 +5,6 @@
 "use strict";
 (function () {
   const CONFIG = JSON.parse(document.getElementById("kv-config").textContent);
-  const NOTE = new Set(["preempt", "finish", "abort"]);
   const NOISY = new Set(["append", "cache", "text"]);
   const $ = (id) => document.getElementById(id);
 
@@ -208,7 +207,6 @@
     counts: {},
     dirty: true,
     reqsDue: 0,
-    text: false,
   };
   let gridLayout = null;
 
@@ -637,10 +635,14 @@
     return [step, st.util, st.used / view.pool.n, st.run, st.wait, st.pre];
   }
 
+  function countEvent(counts, e) {
+    counts[e.k] = (counts[e.k] || 0) + 1;
+  }
+
   function applyRecord(rec, keepLog) {
     for (const e of rec.ev) {
       view.pool.apply(e);
-      view.counts[e.k] = (view.counts[e.k] || 0) + 1;
+      countEvent(view.counts, e);
       if (keepLog) view.log.push([rec.step, e]);
     }
     view.step = rec.step;
@@ -669,7 +671,7 @@
     for (const rec of msg.log || []) {
       for (const e of rec.ev) {
         view.log.push([rec.step, e]);
-        view.counts[e.k] = (view.counts[e.k] || 0) + 1;
+        countEvent(view.counts, e);
       }
     }
     if (msg.series) for (const [step, st] of msg.series) view.series.push(point(step, st));
@@ -763,7 +765,7 @@
     records.forEach((rec, i) => {
       for (const e of rec.ev) {
         p.apply(e);
-        counts[e.k] = (counts[e.k] || 0) + 1;
+        countEvent(counts, e);
       }
       cum.push(Object.assign({}, counts));
       view.series.push(point(rec.step, rec.st));
