@@ -107,6 +107,8 @@ def test_build_makes_the_engine_on_the_loop_thread(tiny_llama_dir: Path) -> None
 
     with pytest.raises(ValueError, match="no model here"):
         AsyncLLMEngine.build(fail)
+    with pytest.raises(ValueError, match="max_waiting must be >= 0, got -1"):
+        AsyncLLMEngine.build(fail, max_waiting=-1)  # refused before building anything
 
 
 def test_idle_loop_does_not_spin(make_engine) -> None:

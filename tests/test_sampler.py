@@ -57,6 +57,15 @@ def test_greedy_fast_path_reports_the_general_paths_logprobs(monkeypatch) -> Non
     assert fast.logprobs == pytest.approx([ids[0] for ids in slow.top_logprobs], abs=1e-5)
 
 
+def test_the_callers_logits_are_never_written() -> None:
+    params = SamplingParams(temperature=0, logit_bias={4: 3.5}, presence_penalty=1.0)
+    for order in ([0], [0, 0]):  # rows in order (no copy made yet), and one shared row
+        logits = LOGITS.clone()
+        rows = [SampleRow(r, i, params, suppressed_ids=(0,)) for i, r in enumerate(order)]
+        assert Sampler()(logits, rows).token_ids == [4] * len(order)
+        assert torch.equal(logits, LOGITS)
+
+
 def test_temperature_sharpens_the_distribution() -> None:
     sampler = Sampler(torch.Generator().manual_seed(0))
     hot = sampler(LOGITS, [SampleRow(0, 0, SamplingParams(temperature=2.0))] * 2000).token_ids

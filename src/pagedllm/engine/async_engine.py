@@ -122,8 +122,7 @@ class RequestStream:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
-        if max_waiting is not None and max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        _check_max_waiting(max_waiting)
         self.engine = engine
         self.max_waiting = max_waiting
         self.num_iterations = 0  # loop wake-ups that did work: stays put while idle
@@ -142,6 +141,7 @@ class AsyncLLMEngine:
     ) -> AsyncLLMEngine:
         """Build the engine with `make_engine()` on a new loop thread, which then runs the
         loop; returns once it is built (or raises what building raised)."""
+        _check_max_waiting(max_waiting)  # before a model is loaded for nothing
         built: queue.SimpleQueue[AsyncLLMEngine | BaseException] = queue.SimpleQueue()
 
         def run() -> None:
@@ -389,6 +389,11 @@ class AsyncLLMEngine:
             prefix_hit_tokens=sched.prefix_hit_tokens,
             num_steps=self.num_steps,
         )
+
+
+def _check_max_waiting(max_waiting: int | None) -> None:
+    if max_waiting is not None and max_waiting < 0:
+        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
 
 
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:

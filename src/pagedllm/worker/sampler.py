@@ -73,12 +73,15 @@ class Sampler:
         rows = list(rows)
         gens = list(generators) if generators is not None else [None] * len(rows)
         device = logits.device
+        given = logits
         order = [r.logits_row for r in rows]
         if order != list(range(logits.shape[0])):  # samples forked from one row share it
             logits = logits.index_select(0, torch.tensor(order, device=device))
         if all(self._plain_greedy(r) for r in rows):
             return self._greedy(logits.float())
-        logits = logits.float().clone()  # the filters below write into it
+        logits = logits.float()
+        if logits is given:  # the filters below write into it: never into the caller's
+            logits = logits.clone()
         raw_logprobs = logits.log_softmax(dim=-1)
         suppressed = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_ids]
         if suppressed:
