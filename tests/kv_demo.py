@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from live_server import LiveServer
-from pagedllm.engine.async_engine import RequestFailedError
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_trace import KVTrace
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.server.app import create_app
+from pagedllm.errors import RequestFailedError
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.runner import ModelSpec

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.kv.allocator import BlockAllocator, NoFreeBlocksError
+from pagedllm.errors import NoFreeBlocksError
+from pagedllm.kv.allocator import BlockAllocator
 from pagedllm.kv.block_table import BlockTable
 
 

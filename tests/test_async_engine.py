@@ -12,16 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineOverloadedError,
-    RequestFailedError,
-    RequestStream,
-)
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.llm import LLM
+from pagedllm.errors import EngineOverloadedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120] * 2]
@@ -122,10 +118,10 @@ def test_idle_loop_does_not_spin(make_engine) -> None:
         await used_blocks(engine)
 
     asyncio.run(main())
-    iterations, steps = engine.num_iterations, engine.num_steps
+    iterations, steps = engine.num_iterations, engine.snapshot.num_steps
     assert steps >= GREEDY.max_tokens
     time.sleep(0.3)
-    assert (engine.num_iterations, engine.num_steps) == (iterations, steps)
+    assert (engine.num_iterations, engine.snapshot.num_steps) == (iterations, steps)
     assert engine.is_running and engine.healthy
 
 
@@ -231,7 +227,7 @@ def test_max_waiting_bounds_only_the_requests_beyond_what_can_be_admitted(make_e
         # Two sequence slots: two waiting requests could be admitted now, so they are not
         # a backlog; the third is the one request max_waiting=1 allows beyond them.
         streams = [await engine.add_request(f"r{i}", PROMPTS[0], GREEDY) for i in range(3)]
-        assert await engine.call(engine.backlog) == 1
+        assert (await engine.call(engine.engine.snapshot)).backlog == 1
         with pytest.raises(EngineOverloadedError, match="max_waiting=1"):
             await engine.add_request("refused", PROMPTS[1], GREEDY)
         engine.resume()

@@ -16,6 +16,7 @@ import pytest
 from browser import Browser, chromium_path
 from kv_demo import busy_server, freeze_when_busy, record_beam_search, start_load
 from live_server import build_chat_model
+from pagedllm.engine.kv_recorder import KVRecorder
 from pagedllm.entrypoints.cli import main
 
 pytestmark = pytest.mark.skipif(
@@ -45,8 +46,8 @@ def test_live_page_draws_a_busy_pool(browser: Browser, tmp_path: Path) -> None:
         browser.wait_for("document.body.dataset.drawnBlocks === '1456'", "the empty pool")
         load = start_load(live, count=300)
         freeze_when_busy(live, running=100)
-        recorder = live.engine.engine.kv_events
-        assert recorder is not None  # the page's stream attached it
+        recorder = live.engine.engine.kv.listener
+        assert isinstance(recorder, KVRecorder)  # the page's stream attached it
         step = recorder.step
         browser.wait_for(f"document.body.dataset.step === '{step}'", f"step {step}")
         browser.wait_for("document.body.dataset.tableArrows > 0", "a block table")

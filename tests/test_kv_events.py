@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any
 
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.kv_view import KVRecorder, engine_snapshot, owners_of
+from pagedllm.engine.kv_recorder import owners_of
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.pool_state import PoolState
@@ -83,7 +83,7 @@ def run(seed: int, steps: int = 200, attach_at: int = 0) -> tuple[LLMEngine, Cou
     next_id = 0
     for i in range(steps):
         if i == attach_at:
-            recorder = KVRecorder.attach(engine, records.append)
+            recorder = engine.record_kv(records.append)
             start = recorder.snapshot()
             state = PoolState.from_json(start["pool"])
         if rng.random() < 0.5:
@@ -102,8 +102,7 @@ def run(seed: int, steps: int = 200, attach_at: int = 0) -> tuple[LLMEngine, Cou
             check_against_manager(engine, state)
     for request_id in list(engine.scheduler.requests):
         engine.abort(request_id)
-    assert engine.kv_events is not None
-    engine.kv_events.flush()
+    recorder.flush()
     assert state is not None
     for record in records:
         state.apply_all(record["ev"])
@@ -133,7 +132,7 @@ def test_recording_can_start_mid_run() -> None:
 def test_records_are_numbered_by_step_and_carry_figures() -> None:
     engine = make_engine(random.Random(3))
     records: list[dict[str, Any]] = []
-    KVRecorder.attach(engine, records.append)
+    engine.record_kv(records.append)
     engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(n=3, max_tokens=5, ignore_eos=True))
     engine.add_request("b", [1, 2, 3], BeamSearchParams(beam_width=2, max_tokens=4))
     while engine.has_unfinished_requests():
@@ -155,7 +154,7 @@ def test_preempt_note_comes_before_the_frees_it_caused() -> None:
     )
     engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(VOCAB, 4096), token=1))
     records: list[dict[str, Any]] = []
-    KVRecorder.attach(engine, records.append)
+    engine.record_kv(records.append)
     for i in range(6):
         engine.add_request(
             f"r{i}", [i + 1] * (3 + i), SamplingParams(max_tokens=10, ignore_eos=True)
@@ -172,14 +171,12 @@ def test_preempt_note_comes_before_the_frees_it_caused() -> None:
 
 def test_nobody_listening_means_no_listener() -> None:
     engine = make_engine(random.Random(5))
-    assert engine.kv_events is None
     assert engine.kv.listener is None and engine.kv.allocator.listener is None
     records: list[dict[str, Any]] = []
-    recorder = KVRecorder.attach(engine, records.append)
+    recorder = engine.record_kv(records.append)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
-    recorder.detach()
-    assert engine.kv_events is None
+    recorder.close()
     assert engine.kv.listener is None and engine.kv.allocator.listener is None
     count = len(records)
     while engine.has_unfinished_requests():
@@ -200,7 +197,7 @@ def test_text_only_when_asked() -> None:
     def record(text: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         engine = make_engine(random.Random(7))
         records: list[dict[str, Any]] = []
-        recorder = KVRecorder.attach(engine, records.append, text=text, tokenizer=WordTokenizer())
+        recorder = engine.record_kv(records.append, text=text, tokenizer=WordTokenizer())
         engine.add_request("a", list(range(1, 10)), SamplingParams(n=2, max_tokens=4))
         for _ in range(3):
             engine.step()
@@ -221,7 +218,8 @@ def test_snapshot_lists_requests_and_figures() -> None:
     engine.add_request("b", [5, 6], BeamSearchParams(beam_width=2, max_tokens=6))
     engine.step()
     engine.step()
-    snap = engine_snapshot(engine.scheduler, engine.kv, step=2)
+    snap = engine.kv_snapshot()
+    assert snap["step"] == 2
     requests = {r["id"]: r for r in snap["requests"]}
     assert requests["a"]["width"] == 2 and not requests["a"]["beam"]
     assert requests["b"]["beam"] and requests["b"]["width"] == 2

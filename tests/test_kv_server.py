@@ -152,15 +152,15 @@ def test_events_stream_rebuilds_the_pool(server: LiveServer) -> None:
 def test_a_disconnect_frees_the_listener(server: LiveServer) -> None:
     engine = server.engine.engine
     feed = server.app.state.kv_feed
-    assert engine.kv_events is None and engine.kv.listener is None
+    assert engine.kv.listener is None
     for _ in range(2):  # a second viewer attaches again after the first one left
         with httpx.stream("GET", server.url + "/kv/events", timeout=60) as r:
             messages = sse_messages(r.iter_lines())  # kept: closing it closes the stream
             next(messages)
-            wait_until(lambda: engine.kv_events is not None, "the recorder is attached")
+            wait_until(lambda: engine.kv.listener is not None, "the recorder is attached")
             drive(server, workload(3))
         wait_until(lambda: feed.subscribers == 0, "the subscriber is gone")
-        wait_until(lambda: engine.kv_events is None, "the recorder is detached")
+        wait_until(lambda: engine.kv.listener is None, "the recorder is detached")
         assert engine.kv.listener is None and engine.kv.allocator.listener is None
         assert feed.retained_records == 0
 
@@ -189,7 +189,7 @@ def test_a_stalled_reader_costs_bounded_memory() -> None:
         tracemalloc.stop()
         assert feed.retained_records <= 64
         assert grown < 4 * 2**20, f"memory grew by {grown} bytes"
-        steps = live.engine.num_steps
+        steps = live.engine.snapshot.num_steps
         assert steps > 4 * feed.max_records, steps
         # The reader wakes up: it gets one snapshot of now, not a backlog of every step.
         client.settimeout(60)

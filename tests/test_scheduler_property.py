@@ -73,7 +73,7 @@ def check_invariants(sched: Scheduler) -> None:
                 if info is not None:
                     bs = kv.block_size
                     assert info.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
-    running_seqs = sum(r.max_num_seqs for r in sched.running)
+    running_seqs = sum(r.num_seq_slots for r in sched.running)
     assert sched.running_seq_slots == running_seqs
     assert running_seqs <= sched.config.max_num_seqs
     # The pool's figures, kept incrementally, equal a count over every table.
@@ -182,7 +182,7 @@ def test_group_readmission_never_gives_a_hit_away() -> None:
         SchedulerConfig(max_model_len=24, max_num_seqs=4, max_num_batched_tokens=64), kv
     )
     s0 = Seq(sched.new_seq_id(), [1, 2, 3, 4], 4)
-    req = Request("r", [s0], max_num_seqs=2)
+    req = Request("r", [s0], num_seq_slots=2)
     sched.add_request(req)
     sched.update_from_output(sched.schedule())
     s1 = Seq(sched.new_seq_id(), [1, 2, 3, 4], 4, index=1)

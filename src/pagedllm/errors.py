@@ -2,8 +2,9 @@
 
 `InvalidParameterError` names the parameter that was wrong (`param`) and the kind of
 problem (`code`), so that callers such as the HTTP server map it to a response without
-reading its message. `StepFailedError` says which requests a failed engine step was
-running, so that only those fail.
+reading its message. The others say what failed: a request (`RequestFailedError`), the
+engine's admission (`EngineOverloadedError`), the block pool (`NoFreeBlocksError`).
+Plain Python: every layer may import it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ class InvalidParameterError(ValueError):
         self.code = code
 
 
-class StepFailedError(RuntimeError):
-    """An engine step raised (that exception is the `__cause__`); `request_ids` are the
-    requests it had scheduled."""
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (or stopped before it finished).
+    Other requests are not affected."""
 
-    def __init__(self, request_ids: tuple[str, ...], cause: BaseException) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are already waiting: retry later (HTTP 503)."""
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has fewer free blocks than were asked for; nothing was allocated."""

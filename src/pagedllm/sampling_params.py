@@ -13,19 +13,41 @@ from dataclasses import dataclass, field
 from pagedllm.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
+INT64_MAX = 2**63 - 1  # every integer a client sends must fit the kernels' int64
+# A temperature below this is greedy: dividing logits by it overflows float32 (the
+# vLLM rule).
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
-        raise InvalidParameterError(name, f"{name} must be {allowed}, got {value!r}")
+        if _too_big(value):
+            allowed += " (integers must fit in 64 bits)"
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise InvalidParameterError(name, f"{name} must be {allowed}, got {shown}")
+
+
+def _too_big(value: object) -> bool:
+    """An integer past int64, alone or inside a list or map."""
+    if isinstance(value, dict):
+        return any(_too_big(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return any(_too_big(v) for v in value)
+    return isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, int) and not isinstance(x, bool) and -INT64_MAX - 1 <= x <= INT64_MAX
 
 
 def _is_num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an int past float's range
+        return False
 
 
 @dataclass(frozen=True)
@@ -67,10 +89,11 @@ class SamplingParams:
             self.temperature,
         )
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        # A top_k at or above the vocabulary keeps every token, as -1 does.
         _check(
             _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
             "top_k",
-            "-1 or 0 (disabled) or an integer >= 1",
+            "-1 or 0 (disabled) or an integer >= 1 (at or above the vocabulary: every token)",
             self.top_k,
         )
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
@@ -142,7 +165,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -19,6 +19,7 @@ from pagedllm.bench.output import Plot
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
@@ -35,17 +36,16 @@ class SweepRun:
     latency: dict[str, dict[str, Any]]  # per request: arrival, first_token, finish, output_len
 
 
-def count_slots(engine: LLMEngine, final_len: dict[str, int], slots: dict[str, int]) -> int:
+def count_slots(snapshot: EngineSnapshot, final_len: dict[str, int], slots: dict[str, int]) -> int:
     """Add the running sequences' slots by kind to `slots`; the most empty slots of one."""
     most_empty = 0
-    for req in engine.scheduler.running:
-        for table in filter(None, map(engine.kv.tables.get, (s.seq_id for s in req.seqs))):
-            cap, stored = table.capacity, table.num_tokens
-            will_fill = max(stored, min(cap, final_len[req.request_id]))
-            slots["tokens"] += stored
-            slots["reserved"] += will_fill - stored
-            slots["wasted"] += cap - will_fill
-            most_empty = max(most_empty, cap - stored)
+    for table in snapshot.tables:
+        cap, stored = table.capacity, table.num_tokens
+        will_fill = max(stored, min(cap, final_len[table.request_id]))
+        slots["tokens"] += stored
+        slots["reserved"] += will_fill - stored
+        slots["wasted"] += cap - will_fill
+        most_empty = max(most_empty, cap - stored)
     return most_empty
 
 
@@ -59,7 +59,7 @@ def run_workload(
     slots, most_empty = dict.fromkeys(SLOT_KINDS, 0), 0
     first: dict[str, float] = {}
     finish: dict[str, float] = {}
-    generated, preempted = 0, engine.scheduler.num_preemptions
+    generated, preempted = 0, engine.snapshot().num_preemptions
     skipped = step_seconds = 0.0  # skipped: idle time jumped over to the next arrival
     start = time.perf_counter()
 
@@ -85,17 +85,18 @@ def run_workload(
         for out in done:
             finish[out.request_id] = t
             generated += sum(len(c.token_ids) for c in out.outputs)
-        # The pool as the step left it before finishing requests (EngineStats' sample);
-        # requests that finished in the step still ran in it.
-        usage = engine.stats.last_usage or engine.kv.usage()
-        running = engine.scheduler.num_running_seqs + len(done)
-        samples.append((t, running, usage.used_blocks, usage.utilization))
-        most_empty = max(most_empty, count_slots(engine, final_len, slots))
+        ran = engine.stats.last
+        if ran is None:
+            raise RuntimeError("the engine ran a step without its stats hearing of it")
+        # The step as it ran: the requests that finished in it still count.
+        samples.append((t, ran.num_running_seqs, ran.usage.used_blocks, ran.usage.utilization))
+        most_empty = max(most_empty, count_slots(engine.snapshot(tables=True), final_len, slots))
     series = dict(zip(SERIES, map(list, zip(*samples, strict=True)), strict=True))
     n, total = len(samples), sum(slots.values())
     row = {"system": engine.config.kv_reservation, "requests": len(requests), "steps": n}
-    row |= {"generated_tokens": generated, "kv_blocks": engine.kv.num_blocks}
-    row["preemptions"] = engine.scheduler.num_preemptions - preempted
+    end = engine.snapshot()
+    row |= {"generated_tokens": generated, "kv_blocks": end.usage.num_blocks}
+    row["preemptions"] = end.num_preemptions - preempted
     row["mean_running_seqs"] = round(sum(series["running"]) / n, 2)
     row["peak_running_seqs"] = max(series["running"])
     row["peak_used_blocks"] = max(series["used_blocks"])

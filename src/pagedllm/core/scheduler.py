@@ -51,10 +51,17 @@ class ScheduledSeq:
 @dataclass(frozen=True)
 class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]
-    num_scheduled_tokens: dict[str, int]  # request id -> tokens per sequence this step
+    # request id -> tokens each of the request's sequences computes this step (its live
+    # sequences always have the same length, so one chunk size serves them all)
+    chunk_sizes: dict[str, int]
     blocks_to_copy: tuple[tuple[int, int], ...]  # copy-on-write (source, destination)
     preempted: tuple[str, ...]
     finished_seq_ids: tuple[int, ...] = ()  # sequences gone since the last step that ran
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The requests this step computes, in schedule order."""
+        return tuple(self.chunk_sizes)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -148,7 +155,7 @@ class Scheduler:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._running_seq_slots -= req.max_num_seqs
+            self._running_seq_slots -= req.num_seq_slots
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         for seq in req.seqs:
@@ -172,7 +179,7 @@ class Scheduler:
             req.finished_seqs.append(seq)
         if not req.seqs:
             self.running.remove(req)
-            self._running_seq_slots -= req.max_num_seqs
+            self._running_seq_slots -= req.num_seq_slots
             del self.requests[req.request_id]
             req.status = RequestStatus.FINISHED
 
@@ -195,6 +202,24 @@ class Scheduler:
         """Sequence slots the running requests hold against `max_num_seqs`: each its
         `max_num_seqs`, the most sequences it may grow to."""
         return self._running_seq_slots
+
+    def num_admissible(self) -> int:
+        """How many waiting requests could be admitted now, in queue order, by sequence
+        slots and free KV blocks (the watermark and each request's reservation counted).
+        An estimate from below: prefix-cache hits and chunking can admit more."""
+        slots = self.config.max_num_seqs - self._running_seq_slots
+        blocks = self.kv.num_free_blocks - self.kv.watermark_blocks
+        admissible = 0
+        for req in self.waiting:  # admission is in queue order: stop at the first misfit
+            need = len(req.seqs) * self.kv.blocks_for_tokens(
+                max(req.num_tokens, req.reserve_tokens)
+            )
+            if req.num_seq_slots > slots or need > blocks:
+                break
+            slots -= req.num_seq_slots
+            blocks -= need
+            admissible += 1
+        return admissible
 
     # --------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
@@ -226,14 +251,14 @@ class Scheduler:
         # New (or preempted) requests, unless this step already had to preempt.
         while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
-            if self._running_seq_slots + req.max_num_seqs > self.config.max_num_seqs:
+            if self._running_seq_slots + req.num_seq_slots > self.config.max_num_seqs:
                 break
             chunk = self._admit(req, budget)
             if chunk == 0:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            self._running_seq_slots += req.max_num_seqs
+            self._running_seq_slots += req.num_seq_slots
             req.status = RequestStatus.RUNNING
             scheduled[req.request_id] = chunk
             budget -= chunk * len(req.seqs)
@@ -261,7 +286,7 @@ class Scheduler:
             finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
         return SchedulerOutput(
             seqs=tuple(seqs),
-            num_scheduled_tokens=scheduled,
+            chunk_sizes=scheduled,
             blocks_to_copy=tuple(self.kv.take_copies()),
             preempted=tuple(preempted),
             finished_seq_ids=finished,
@@ -269,7 +294,7 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput) -> None:
         """The step ran: its tokens are computed; full blocks join the prefix cache."""
-        for request_id, chunk in output.num_scheduled_tokens.items():
+        for request_id, chunk in output.chunk_sizes.items():
             req = self.requests.get(request_id)
             if req is None:
                 continue
@@ -310,7 +335,7 @@ class Scheduler:
         """Take a running request's blocks back; it waits at the front of the queue and is
         recomputed (keeping its generated tokens) when readmitted."""
         self.running.remove(req)
-        self._running_seq_slots -= req.max_num_seqs
+        self._running_seq_slots -= req.num_seq_slots
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
         req.num_computed_tokens = 0

@@ -48,7 +48,7 @@ class Sequence:
 class Request:
     request_id: str
     seqs: list[Sequence]
-    max_num_seqs: int = 1  # sequences it may grow to (n, best_of or the beam width)
+    num_seq_slots: int = 1  # sequences it may grow to (n, best_of or the beam width)
     reserve_tokens: int = 0  # tokens reserved at admission (contiguous baselines only)
     params: SamplingParams | BeamSearchParams = field(default_factory=SamplingParams)
     arrival_time: float = 0.0

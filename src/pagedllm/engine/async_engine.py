@@ -5,9 +5,11 @@ so the engine needs no locks. Consumers hand it commands and get results back th
 `loop.call_soon_threadsafe`; the requests submitted together (one, or the prompts of one
 HTTP request) stream their cumulative RequestOutputs into one asyncio queue. The thread
 sleeps on a condition while there is nothing to do. A failure is contained: requests
-whose add or delivery raises fail alone; if step() raises, the requests running in that
-step fail with the error and the loop serves on. `max_waiting` bounds the backlog: the
-waiting requests beyond what the engine could admit now (see `backlog`).
+whose add or delivery raises fail alone, and so do those the engine's step reports
+failed (`RequestOutput.error`); only if step() itself raises does every request fail.
+`max_waiting` bounds the backlog: the waiting requests beyond what the engine could
+admit now (`EngineSnapshot.backlog`). `snapshot` is the engine's snapshot after the
+loop's latest iteration, safe to read from any thread.
 
 `AsyncLLMEngine.build` constructs the engine on that thread too, so that one thread does
 all the torch work: libgomp keeps a team of worker threads for every thread that ever ran
@@ -24,44 +26,16 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.errors import StepFailedError
-from pagedllm.kv.manager import KVUsage
+from pagedllm.engine.snapshot import EngineSnapshot
+from pagedllm.errors import EngineOverloadedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 T = TypeVar("T")
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are already waiting: retry later (HTTP 503)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while running this request (or stopped before it finished)."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's figures after the loop's latest iteration; safe to read from any thread."""
-
-    usage: KVUsage
-    num_running: int
-    num_waiting: int
-    num_running_seqs: int
-    num_preemptions: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_steps: int
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        queried = self.prefix_query_tokens
-        return self.prefix_hit_tokens / queried if queried else 0.0
 
 
 class RequestStream:
@@ -126,14 +100,13 @@ class AsyncLLMEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.num_iterations = 0  # loop wake-ups that did work: stays put while idle
-        self.num_steps = 0
         self._cond = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._paused = False
-        self.snapshot = self._take_snapshot()
+        self.snapshot: EngineSnapshot = engine.snapshot()
 
     @classmethod
     def build(
@@ -240,7 +213,7 @@ class AsyncLLMEngine:
 
         def add() -> None:
             limit = self.max_waiting
-            if limit is not None and (backlog := self.backlog()) >= limit:
+            if limit is not None and (backlog := self.engine.snapshot().backlog) >= limit:
                 raise EngineOverloadedError(
                     f"the server is overloaded: {backlog} requests are waiting beyond what "
                     f"the engine can admit (max_waiting={limit}); retry later"
@@ -263,24 +236,6 @@ class AsyncLLMEngine:
             stream.abort()  # they may have been added after all
             raise
         return stream
-
-    def backlog(self) -> int:
-        """Waiting requests that the engine could not admit now, for want of sequence
-        slots or free KV blocks: the queue that `max_waiting` bounds. An idle engine
-        takes a burst it has room for. An estimate (prefix-cache hits and chunking can
-        admit more); engine thread only."""
-        sched, kv = self.engine.scheduler, self.engine.kv
-        slots = sched.config.max_num_seqs - sched.running_seq_slots
-        blocks = kv.num_free_blocks - kv.watermark_blocks
-        admissible = 0
-        for req in sched.waiting:  # admission is in queue order: stop at the first misfit
-            need = kv.blocks_for_tokens(req.num_tokens)
-            if req.max_num_seqs > slots or need > blocks:
-                break
-            slots -= req.max_num_seqs
-            blocks -= need
-            admissible += 1
-        return len(sched.waiting) - admissible
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""
@@ -312,26 +267,28 @@ class AsyncLLMEngine:
             self._run(commands)
             if not paused and self.engine.has_unfinished_requests():
                 self._step()
-            self.snapshot = self._take_snapshot()
+            self.snapshot = self.engine.snapshot()
         self._fail_all(RequestFailedError("the engine was shut down"))
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            # A failed step fails the requests it ran; anything else (a bug outside the
-            # step's work) fails every request, since none can be trusted to go on.
-            failed = exc.request_ids if isinstance(exc, StepFailedError) else None
-            logger.exception("engine step failed; failing %s", "its requests" if failed else "all")
+            # The step contains its requests' failures (they come back as outputs with
+            # `error`): one that escapes is a fault of the engine itself, and no request
+            # can be trusted to go on.
+            logger.exception("engine step failed; failing every request")
             error = RequestFailedError(f"the engine failed: {exc}")
-            for request_id in failed if failed is not None else self._everyone():
+            for request_id in self._everyone():
                 self._fail(request_id, error)
             return
-        self.num_steps += 1
         # One hand-off per consumer loop and step, not one per request: at 64 streams
         # that is one wake-up of the event loop instead of 64.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
+            if out.error is not None:  # the engine aborted it already
+                self._fail(out.request_id, RequestFailedError(f"the engine failed: {out.error}"))
+                continue
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
@@ -371,24 +328,11 @@ class AsyncLLMEngine:
         self._run(commands)
         for request_id in self._everyone():
             self._fail(request_id, error)
-        self.snapshot = self._take_snapshot()
+        self.snapshot = self.engine.snapshot()
 
     def _everyone(self) -> list[str]:
         """Every request the loop knows of (streams, and the engine's), each once."""
-        return list(dict.fromkeys([*self._streams, *self.engine.scheduler.requests]))
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        sched = self.engine.scheduler
-        return EngineSnapshot(
-            usage=self.engine.kv.usage(),
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_running_seqs=sched.num_running_seqs,
-            num_preemptions=sched.num_preemptions,
-            prefix_query_tokens=sched.prefix_query_tokens,
-            prefix_hit_tokens=sched.prefix_hit_tokens,
-            num_steps=self.num_steps,
-        )
+        return list(dict.fromkeys([*self._streams, *self.engine.unfinished_request_ids()]))
 
 
 def _check_max_waiting(max_waiting: int | None) -> None:

@@ -1,7 +1,7 @@
 """KV traces: a run's KV events in one JSON file, for `pagedllm kv-view` to replay.
 
-`KVTrace.record(engine)` attaches a recorder that keeps every step's record; `close()`
-detaches it and returns the trace, `write(path)` saves it. A trace holds the pool it
+`KVTrace.record(engine)` starts a KV recorder that keeps every step's record; `close()`
+stops it and returns the trace, `write(path)` saves it. A trace holds the pool it
 started from (a snapshot) and the records in step order, so replaying them from the start
 gives the pool at any step. `load_trace` reads one back and checks its shape.
 """
@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.engine.kv_view import KVRecorder, Record, Watchable
+from pagedllm.engine.kv_recorder import KVRecorder, Record
+from pagedllm.engine.llm_engine import LLMEngine
 
 FORMAT = "pagedllm-kv-trace"
 VERSION = 1
@@ -27,17 +28,17 @@ class KVTrace:
         self.meta = meta
 
     @classmethod
-    def record(cls, engine: Watchable, *, text: bool = False, **meta: Any) -> KVTrace:
+    def record(cls, engine: LLMEngine, *, text: bool = False, **meta: Any) -> KVTrace:
         """Record `engine` from now on; `text` also keeps each block's token text; `meta`
         (the model, the command) is stored as it is."""
         records: list[Record] = []
-        recorder = KVRecorder.attach(engine, records.append, text=text)
+        recorder = engine.record_kv(records.append, text=text)
         return cls(recorder, records, {"created": time.time(), "text": text, **meta})
 
     def close(self) -> dict[str, Any]:
         """Stop recording; the trace as a JSON-ready dict."""
         if self._recorder is not None:
-            self._recorder.detach()
+            self._recorder.close()
             self._recorder = None
         return {
             "format": FORMAT,

@@ -5,13 +5,24 @@ the step and draw tokens, note what was computed, then append tokens, detokenise
 and fork sequences, and hand back a RequestOutput for every request that gained a token.
 The engine itself holds no tensors: the runner does (worker/runner.py), so the same
 `step()` drives the real model, a fake one for bookkeeping runs, or a split one.
+
+A request's failure is its own: per-row work (sampling, detokenising, stop checks, beam
+bookkeeping) that raises fails only its request, and a failed forward pass fails only
+the requests of that step. A failed request is aborted (its blocks freed) and comes
+back as a finished RequestOutput with `error` set; the others go on as they would have.
+
+Outside code reads the engine through `snapshot()` and listens through `add_listener()`
+(engine/listeners.py) or `record_kv()`; nothing outside engine/ touches its scheduler,
+block manager or runner.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.reservation import reserve_tokens
@@ -19,12 +30,14 @@ from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.engine.beam_search import BeamState, advance_beams
 from pagedllm.engine.config import EngineConfig, parse_size
-from pagedllm.engine.kv_view import KVRecorder
+from pagedllm.engine.kv_recorder import KVRecorder, Record, Sink, engine_snapshot
+from pagedllm.engine.listeners import KVHooks, StepListener
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.prompts import check_token_ids, encode_text
+from pagedllm.engine.snapshot import EngineSnapshot, TableFigures
 from pagedllm.engine.stats import EngineStats
-from pagedllm.errors import InvalidParameterError, StepFailedError
+from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager, KVUsage
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.runner import ModelRunner, SampledTokens, SampleRow
@@ -91,11 +104,12 @@ class LLMEngine:
         self.eos_token_ids = set(spec.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
-        self.stats = EngineStats()
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, max_len)
         self._beams: dict[str, BeamState] = {}  # request id -> its beam search
-        # The KV view's recorder while one watches (engine/kv_view.py); None costs nothing.
-        self.kv_events: KVRecorder | None = None
+        self.num_steps = 0  # steps that ran something
+        self._listeners: list[StepListener] = []
+        self.stats = EngineStats()
+        self.add_listener(self.stats)
         logger.info(
             "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d",
             num_blocks,
@@ -155,7 +169,7 @@ class LLMEngine:
         request = Request(
             request_id=request_id,
             seqs=[seq],
-            max_num_seqs=num_seqs,
+            num_seq_slots=num_seqs,
             reserve_tokens=reserve,
             params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
@@ -174,8 +188,8 @@ class LLMEngine:
         self.output.forget(req.seqs)
         for seq in req.seqs:
             seq.finish_reason = "abort"
-        if self.kv_events is not None:
-            self.kv_events.aborted(request_id)
+        for listener in self._listeners:
+            listener.on_abort(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -184,106 +198,239 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
     def usage(self) -> KVUsage:
         return self.kv.usage()
+
+    # -------------------------------------------------------------- read side
+    def snapshot(self, tables: bool = False) -> EngineSnapshot:
+        """The engine's figures now; `tables`: with every running sequence's block table."""
+        sched = self.scheduler
+        figures: tuple[TableFigures, ...] = ()
+        if tables:
+            figures = tuple(
+                TableFigures(req.request_id, seq.seq_id, table.capacity, table.num_tokens)
+                for req in sched.running
+                for seq in req.seqs
+                if (table := self.kv.tables.get(seq.seq_id)) is not None
+            )
+        return EngineSnapshot(
+            num_steps=self.num_steps,
+            usage=self.kv.usage(),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_running_seqs=sched.num_running_seqs,
+            num_preemptions=sched.num_preemptions,
+            prefix_query_tokens=sched.prefix_query_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            num_admissible=sched.num_admissible(),
+            tables=figures,
+        )
+
+    def add_listener(self, listener: StepListener) -> Callable[[], None]:
+        """Call `listener` at every step from now on; returns the call that removes it."""
+        self._listeners.append(listener)
+        self._install_kv_hooks()
+
+        def remove() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+                self._install_kv_hooks()
+
+        return remove
+
+    def record_kv(self, sink: Sink, *, text: bool = False, tokenizer: Any = None) -> KVRecorder:
+        """A KV recorder (engine/kv_recorder.py) listening from the current state on,
+        handing `sink` a record per step; `text`: each block's token text too (with
+        `tokenizer`, else the engine's). `close()` it to stop."""
+        recorder = KVRecorder(
+            self.scheduler,
+            self.kv,
+            sink,
+            self.snapshot,
+            tokenizer=(tokenizer or self.tokenizer) if text else None,
+            step=self.num_steps,
+        )
+        recorder.remove = self.add_listener(recorder)
+        return recorder
+
+    def kv_snapshot(self, text: bool = False) -> Record:
+        """The KV view's whole picture now (pool, tables, requests, figures), with each
+        block's token text if `text`."""
+        tokenizer = self.tokenizer if text else None
+        return engine_snapshot(
+            self.scheduler, self.kv, self.snapshot(), self.num_steps, tokenizer=tokenizer
+        )
+
+    def _install_kv_hooks(self) -> None:
+        # Installed only while someone listens: an unwatched pool tests one attribute.
+        watching = [listener for listener in self._listeners if listener.wants_kv_events]
+        hooks: Any = None
+        if len(watching) == 1:
+            hooks = watching[0]
+        elif watching:
+            hooks = KVHooks(watching)
+        self.kv.set_listener(hooks)
 
     def shutdown(self) -> None:
         self.runner.shutdown()
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One iteration. If it fails after scheduling, StepFailedError names the
-        requests the step was running (the caller decides what becomes of them)."""
-        if self.kv_events is not None:  # the KV view watches: number this step's events
-            self.kv_events.begin_step()
+        """One iteration: a RequestOutput for every request that gained a token, ended,
+        or failed (`error` set) in it."""
+        for listener in self._listeners:
+            listener.on_step_begin(self.num_steps + 1)
         step = self.scheduler.schedule()
         if step.is_empty:
             return []
-        try:
-            outputs = self._run(step)
-        except Exception as exc:
-            raise StepFailedError(tuple(step.num_scheduled_tokens), exc) from exc
-        if self.kv_events is not None:
-            self.kv_events.end_step(step, outputs)
-        return outputs
-
-    def _run(self, step: SchedulerOutput) -> list[RequestOutput]:
-        # Rows to draw follow the scheduled sequences that need logits, in order.
-        rows: list[SampleRow] = []
-        targets: list[tuple[Request, Sequence]] = []
-        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
-        forks: list[tuple[Request, Sequence, Sequence]] = []  # (request, parent, new sample)
-        row = 0
+        self.num_steps += 1
+        rows = _StepRows()
+        failed: dict[str, tuple[Request, BaseException]] = {}
+        logits_row = 0
         for s in step.seqs:
             if not s.needs_logits:
                 continue
             req = self.scheduler.requests[s.request_id]
-            seq = next(q for q in req.seqs if q.seq_id == s.seq_id)
-            beam = self._beams.get(req.request_id)
-            if beam is not None:
-                beam_rows.setdefault(req.request_id, []).append((seq, len(rows)))
-                num = self._beam_candidates(beam.params)
-                rows.append(SampleRow(row, seq.seq_id, _GREEDY, num_logprobs=num))
-            else:
-                for target in self._samples_for(req, seq):
-                    rows.append(self._sample_row(row, req, target))
-                    targets.append((req, target))
-                    if target is not seq:
-                        forks.append((req, seq, target))
-            row += 1
+            try:
+                if req.request_id not in failed:
+                    self._add_rows(rows, logits_row, req, s.seq_id)
+            except Exception as exc:
+                failed[req.request_id] = (req, exc)
+            logits_row += 1
         try:
-            sampled = self.runner.execute(step, rows)
-        except Exception:
-            # Fork even so: the runner may have seeded generators for the samples, and
-            # only sequences of the request are released when it is aborted.
-            self._fork(forks)
-            raise
+            sampled = self.runner.execute(step, rows.rows)
+        except Exception as exc:
+            # Forked even so: the runner may have seeded generators for the samples, and
+            # it drops them only for sequences the request held when it ended.
+            self._fork(rows.forks)
+            logger.exception(
+                "the forward pass failed; failing the %d requests of the step",
+                len(step.request_ids),
+            )
+            outputs = [
+                self._fail(req, exc)
+                for request_id in step.request_ids
+                if (req := self.scheduler.requests.get(request_id)) is not None
+            ]
+            self._step_ended(step, outputs, self.snapshot())
+            return outputs
         self.scheduler.update_from_output(step)
         # Forked once the prompt's blocks are hashed: the samples inherit the hashes
         # instead of hashing the prompt again each.
-        self._fork(forks)
-        self.stats.record_step(step, self.scheduler, self.kv)
-        if not rows:
-            return []
-        return self._process(sampled, targets, beam_rows)
+        self._fork(rows.forks)
+        ran = self.snapshot()
+        outputs = self._process(sampled, rows, failed) if logits_row else []
+        self._step_ended(step, outputs, ran)
+        return outputs
+
+    def _add_rows(self, rows: _StepRows, logits_row: int, req: Request, seq_id: int) -> None:
+        """The rows that draw from logits row `logits_row` (sequence `seq_id`'s)."""
+        seq = next(q for q in req.seqs if q.seq_id == seq_id)
+        beam = self._beams.get(req.request_id)
+        if beam is not None:
+            rows.beams.setdefault(req.request_id, (req, []))[1].append((seq, len(rows.rows)))
+            num = self._beam_candidates(beam.params)
+            rows.rows.append(SampleRow(logits_row, seq.seq_id, _GREEDY, num_logprobs=num))
+            return
+        for target in self._samples_for(req, seq):
+            rows.samples.setdefault(req.request_id, (req, []))[1].append((target, len(rows.rows)))
+            rows.rows.append(self._sample_row(logits_row, req, target))
+            if target is not seq:
+                rows.forks.append((req, seq, target))
 
     def _process(
         self,
         sampled: SampledTokens,
-        targets: list[tuple[Request, Sequence]],
-        beam_rows: dict[str, list[tuple[Sequence, int]]],
+        rows: _StepRows,
+        failed: dict[str, tuple[Request, BaseException]],
     ) -> list[RequestOutput]:
+        """Each request's tokens, one request at a time: what raises fails its own."""
         now = time.time()
-        touched: dict[str, Request] = {}
-        for request_id, entries in beam_rows.items():
-            req = self.scheduler.requests[request_id]
-            self._advance_beams(req, entries, sampled.top_ids, sampled.top_logprobs)
-            touched[request_id] = req
+        touched: list[Request] = []
+        for request_id, (req, entries) in rows.samples.items():
+            if request_id in failed:
+                continue
+            try:
+                self._take_samples(req, entries, sampled)
+            except Exception as exc:
+                failed[request_id] = (req, exc)
+                continue
+            touched.append(req)
+        for request_id, (req, entries) in rows.beams.items():
+            if request_id in failed:
+                continue
+            try:
+                _raise_row_errors(sampled, [i for _, i in entries])
+                self._advance_beams(req, entries, sampled.top_ids, sampled.top_logprobs)
+            except Exception as exc:
+                failed[request_id] = (req, exc)
+                continue
+            touched.append(req)
+        outputs = []
+        for req in touched:
             req.first_token_time = req.first_token_time or now
-        for i, (req, seq) in enumerate(targets):
+            try:
+                outputs.append(self._finish_step_of(req, now))
+            except Exception as exc:
+                failed[req.request_id] = (req, exc)
+        outputs.extend(self._fail(req, exc) for req, exc in failed.values())
+        return outputs
+
+    def _take_samples(
+        self, req: Request, entries: list[tuple[Sequence, int]], sampled: SampledTokens
+    ) -> None:
+        """Append each sample's drawn token (from its row) and check whether it stops."""
+        params = _sampling_params(req)
+        _raise_row_errors(sampled, [i for _, i in entries])
+        for seq, i in entries:
             token = sampled.token_ids[i]
             seq.token_ids.append(token)
             seq.cumulative_logprob += sampled.logprobs[i]
-            params = req.params
-            assert isinstance(params, SamplingParams)
             if params.logprobs is not None:
                 top = dict(zip(sampled.top_ids[i], sampled.top_logprobs[i], strict=True))
                 top[token] = sampled.logprobs[i]
                 seq.output_logprobs.append(top)
             self.output.check_stop(params, seq)
-            touched[req.request_id] = req
-            if req.first_token_time is None:
-                req.first_token_time = now
-        outputs = []
-        for req in touched.values():
-            for seq in [s for s in req.seqs if s.finish_reason is not None]:
-                self.scheduler.finish_seq(req, seq)
-            finished = not req.seqs
-            beam = self._beams.get(req.request_id)
-            if finished:
-                self._beams.pop(req.request_id, None)
-            outputs.append(self.output.make_output(req, finished, now, beam))
-        return outputs
+
+    def _finish_step_of(self, req: Request, now: float) -> RequestOutput:
+        for seq in [s for s in req.seqs if s.finish_reason is not None]:
+            self.scheduler.finish_seq(req, seq)
+        finished = not req.seqs
+        beam = self._beams.get(req.request_id)
+        if finished:
+            self._beams.pop(req.request_id, None)
+        return self.output.make_output(req, finished, now, beam)
+
+    def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
+        """Abort `req` (every block back to the pool); its output says why it failed."""
+        logger.error(
+            "request %s failed: %s: %s", req.request_id, type(exc).__name__, exc, exc_info=exc
+        )
+        for seq in req.seqs:
+            seq.finish_reason = "error"
+        try:
+            out = self.output.make_output(req, True, time.time(), self._beams.get(req.request_id))
+        except Exception:  # the output itself may be what failed: report none
+            out = RequestOutput(
+                req.request_id,
+                req.prompt,
+                req.prompt_token_ids,
+                [],
+                True,
+                metrics=RequestMetrics(req.arrival_time, req.first_token_time, time.time()),
+            )
+        self.abort(req.request_id)
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def _step_ended(
+        self, step: SchedulerOutput, outputs: list[RequestOutput], ran: EngineSnapshot
+    ) -> None:
+        for listener in self._listeners:
+            listener.on_step_end(step, outputs, ran)
 
     # ---------------------------------------------------------------- helpers
     def _beam_candidates(self, params: BeamSearchParams) -> int:
@@ -325,8 +472,7 @@ class LLMEngine:
         """The sequences that draw a token from `seq`'s logits: at the first draw of a
         parallel-sampling request, the prompt's sequence and its new samples (forked from
         it by the caller)."""
-        params = req.params
-        assert isinstance(params, SamplingParams)
+        params = _sampling_params(req)
         if params.num_seqs == 1 or seq.num_output_tokens > 0 or len(req.seqs) > 1:
             return [seq]
         return [seq, *(self._new_seq(seq.token_ids, index=i) for i in range(1, params.num_seqs))]
@@ -336,8 +482,7 @@ class LLMEngine:
             self.scheduler.fork(req, parent, child)
 
     def _sample_row(self, row: int, req: Request, seq: Sequence) -> SampleRow:
-        params = req.params
-        assert isinstance(params, SamplingParams)
+        params = _sampling_params(req)
         n_out = seq.num_output_tokens
         suppressed: tuple[int, ...] = ()
         if n_out < params.min_tokens:
@@ -357,3 +502,27 @@ class LLMEngine:
             suppressed_ids=suppressed,
             num_logprobs=params.logprobs or 0,
         )
+
+
+@dataclass
+class _StepRows:
+    """The tokens a step draws: one SampleRow each, and whose they are."""
+
+    rows: list[SampleRow] = field(default_factory=list)
+    # request id -> (request, [(sample, its row)]) for sampling requests...
+    samples: dict[str, tuple[Request, list[tuple[Sequence, int]]]] = field(default_factory=dict)
+    # ... and for beam searches (a beam's row gives its candidates)
+    beams: dict[str, tuple[Request, list[tuple[Sequence, int]]]] = field(default_factory=dict)
+    forks: list[tuple[Request, Sequence, Sequence]] = field(default_factory=list)
+
+
+def _raise_row_errors(sampled: SampledTokens, rows: Iterable[int]) -> None:
+    for i in rows:
+        if i in sampled.row_errors:
+            raise RuntimeError(f"sampling failed: {sampled.row_errors[i]}")
+
+
+def _sampling_params(req: Request) -> SamplingParams:
+    if not isinstance(req.params, SamplingParams):
+        raise TypeError(f"request {req.request_id} is a beam search, not a sampling request")
+    return req.params

@@ -81,7 +81,8 @@ class OutputProcessor:
     @staticmethod
     def _sampled_completions(req: Request, finished: bool) -> list[CompletionOutput]:
         params = req.params
-        assert isinstance(params, SamplingParams)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {req.request_id} is a beam search: it has no samples")
         seqs = req.finished_seqs + req.seqs
         if finished and params.best_of is not None and params.best_of > params.n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]

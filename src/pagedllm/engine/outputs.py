@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -36,3 +36,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     num_preemptions: int = field(default=0)
+    # Why the request failed (finish_reason "error"): the engine failed while running it,
+    # and only it. None for every request that did not fail.
+    error: str | None = None

@@ -1,37 +1,39 @@
-"""EngineStats: running figures of the engine, updated once per step.
+"""EngineStats: running figures of an engine, a step listener every engine has.
 
-Counts tokens and steps, and samples the KV pool after every step, so a run can report
-peak blocks in use, time-averaged utilisation and batch size.
+Counts tokens and steps, and keeps the snapshot of every step as it ran, so a run can
+report peak blocks in use, time-averaged utilisation and batch size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.kv.manager import KVCacheManager, KVUsage
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.engine.listeners import StepListener
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.snapshot import EngineSnapshot
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    tokens_computed: int = 0  # prompt, decode and recomputed tokens run through the model
-    peak_used_blocks: int = 0
-    peak_running_seqs: int = 0
-    last_usage: KVUsage | None = None
-    _util_sum: float = 0.0
-    _running_sum: int = 0
+class EngineStats(StepListener):
+    def __init__(self) -> None:
+        self.steps = 0
+        self.tokens_computed = 0  # prompt, decode and recomputed tokens run through the model
+        self.peak_used_blocks = 0
+        self.peak_running_seqs = 0
+        self.last: EngineSnapshot | None = None  # the latest step, as it ran
+        self._util_sum = 0.0
+        self._running_sum = 0
 
-    def record_step(self, step: SchedulerOutput, scheduler: Scheduler, kv: KVCacheManager) -> None:
+    def on_step_end(
+        self, step: SchedulerOutput, outputs: Sequence[RequestOutput], ran: EngineSnapshot
+    ) -> None:
         self.steps += 1
         self.tokens_computed += step.num_batched_tokens
-        usage = kv.usage()
-        self.last_usage = usage
-        running = scheduler.num_running_seqs
-        self.peak_used_blocks = max(self.peak_used_blocks, usage.used_blocks)
-        self.peak_running_seqs = max(self.peak_running_seqs, running)
-        self._util_sum += usage.utilization
-        self._running_sum += running
+        self.last = ran
+        self.peak_used_blocks = max(self.peak_used_blocks, ran.usage.used_blocks)
+        self.peak_running_seqs = max(self.peak_running_seqs, ran.num_running_seqs)
+        self._util_sum += ran.usage.utilization
+        self._running_sum += ran.num_running_seqs
 
     @property
     def mean_utilization(self) -> float:

@@ -123,7 +123,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if trace is not None:
         trace.write(args.kv_trace)
     engine = llm.engine
-    stats = engine.stats
+    stats, snap = engine.stats, engine.snapshot()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     summary = {
@@ -133,10 +133,10 @@ def run_generate(args: argparse.Namespace) -> int:
         "seconds": round(elapsed, 3),
         "generated_tokens_per_s": round(generated / elapsed, 2),
         "peak_blocks_in_use": stats.peak_used_blocks,
-        "kv_blocks_total": engine.kv.num_blocks,
+        "kv_blocks_total": snap.usage.num_blocks,
         "mean_kv_utilization": round(stats.mean_utilization, 4),
-        "preemptions": engine.scheduler.num_preemptions,
-        "prefix_cache_hit_rate": round(engine.scheduler.prefix_hit_rate, 4),
+        "preemptions": snap.num_preemptions,
+        "prefix_cache_hit_rate": round(snap.prefix_hit_rate, 4),
     }
     if args.json:
         print(
@@ -156,9 +156,9 @@ def run_generate(args: argparse.Namespace) -> int:
     print(
         f"\n{summary['requests']} requests, {prompt_tokens} prompt + {generated} generated "
         f"tokens in {elapsed:.2f} s ({summary['generated_tokens_per_s']} generated tokens/s); "
-        f"peak {stats.peak_used_blocks}/{engine.kv.num_blocks} KV blocks in use, "
+        f"peak {stats.peak_used_blocks}/{snap.usage.num_blocks} KV blocks in use, "
         f"mean KV utilisation {stats.mean_utilization:.1%}, "
-        f"{engine.scheduler.num_preemptions} preemptions"
+        f"{snap.num_preemptions} preemptions"
     )
     return 0
 

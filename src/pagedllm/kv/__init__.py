@@ -4,7 +4,8 @@ Plain Python, no torch: these decide which physical block holds which token; the
 worker owns the tensors and only ever sees block ids.
 """
 
-from pagedllm.kv.allocator import BlockAllocator, NoFreeBlocksError
+from pagedllm.errors import NoFreeBlocksError
+from pagedllm.kv.allocator import BlockAllocator
 from pagedllm.kv.block_table import BlockTable
 from pagedllm.kv.manager import KVCacheManager, KVUsage
 

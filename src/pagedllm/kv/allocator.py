@@ -15,11 +15,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedllm.errors import NoFreeBlocksError
 from pagedllm.kv.events import PoolListener
-
-
-class NoFreeBlocksError(RuntimeError):
-    """The pool has fewer free blocks than were asked for; nothing was allocated."""
 
 
 @dataclass(frozen=True)

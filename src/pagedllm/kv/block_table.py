@@ -7,8 +7,8 @@ other tables share copies it first (copy-on-write).
 
 from __future__ import annotations
 
-from pagedllm.errors import InvalidParameterError
-from pagedllm.kv.allocator import BlockAllocator, NoFreeBlocksError
+from pagedllm.errors import InvalidParameterError, NoFreeBlocksError
+from pagedllm.kv.allocator import BlockAllocator
 
 MAX_BLOCK_SIZE = 256
 
@@ -93,7 +93,8 @@ class BlockTable:
 
     def add_cached_blocks(self, blocks: list[int], block_hashes: list[bytes]) -> None:
         """Start the table with prefix-cache hits (the caller took their references)."""
-        assert not self.blocks, "cached blocks only start an empty table"
+        if self.blocks:
+            raise RuntimeError("prefix-cache hits can only start an empty block table")
         self.blocks = list(blocks)
         self.block_hashes = list(block_hashes)
         self.num_tokens = len(blocks) * self.block_size

@@ -66,8 +66,13 @@ class KVCacheManager:
         self.watermark_blocks = watermark_blocks
         self.tables: dict[int, BlockTable] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        # The KV view, when one watches (engine/kv_view.py); also the allocator's listener.
+        # Whoever watches the pool (the engine's KV recorders), else None: see set_listener.
         self.listener: KVListener | None = None
+
+    def set_listener(self, listener: KVListener | None) -> None:
+        """Send this manager's and its allocator's hooks to `listener` (None: nobody)."""
+        self.listener = listener
+        self.allocator.listener = listener
 
     @property
     def num_blocks(self) -> int:
@@ -164,7 +169,8 @@ class KVCacheManager:
             table = BlockTable(self.block_size, self.allocator)
             for block, block_hash in zip(hits, hashes, strict=True):
                 info = self.allocator.cached_info(block)
-                assert info is not None and info.block_hash == block_hash, "stale cache hit"
+                if info is None or info.block_hash != block_hash:
+                    raise RuntimeError(f"block {block} is no longer the cached block asked for")
                 self.allocator.incref(block)
             if hits:
                 table.add_cached_blocks(hits, hashes)
@@ -173,7 +179,8 @@ class KVCacheManager:
             table = self.tables[seq_id]
             if reserve_tokens:
                 table.reserve(reserve_tokens)
-            assert table.append_slots(num_tokens) == [], "a new table never copies"
+            if table.append_slots(num_tokens):
+                raise RuntimeError("a new block table copied a block: it shares none to copy")
         if self.listener is not None:
             for seq_id, (hits, _) in zip(seq_ids, cached, strict=True):
                 self.listener.on_admitted(seq_id, self.tables[seq_id], len(hits))

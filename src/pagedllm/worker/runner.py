@@ -10,7 +10,7 @@ across devices. Plain Python: importing it needs no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedllm.core.scheduler import SchedulerOutput
@@ -47,6 +47,9 @@ class SampledTokens:
     logprobs: list[float]  # of each chosen token, under the model's raw distribution
     top_ids: list[list[int]]  # per row, the num_logprobs most likely tokens
     top_logprobs: list[list[float]]
+    # row -> why drawing it failed; that row's entries above are placeholders, and only
+    # its request fails
+    row_errors: dict[int, str] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):
@@ -61,7 +64,8 @@ class ModelRunner(Protocol):
         ...
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
-        """Run the step's forward pass (copy-on-write copies first) and draw `rows`."""
+        """Run the step's forward pass (copy-on-write copies first) and draw `rows`. A
+        row whose draw fails goes to `row_errors`; a failed forward pass raises."""
         ...
 
     def shutdown(self) -> None:

@@ -69,9 +69,43 @@ class Sampler:
         rows: Sequence[SampleRow],
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> SampledTokens:
-        """Draw one token per row; `generators[i]` (if any) supplies row i's noise."""
+        """Draw one token per row; `generators[i]` (if any) supplies row i's noise. If
+        the batch fails, each row is drawn alone, and a row that fails alone is reported
+        in `row_errors`: the other rows draw exactly what they would have (a seeded row
+        from its generator as it was before the failed attempt)."""
         rows = list(rows)
         gens = list(generators) if generators is not None else [None] * len(rows)
+        states = [g.get_state() if g is not None else None for g in gens]
+        try:
+            return self._draw(logits, rows, gens)
+        except Exception:
+            return self._draw_each(logits, rows, gens, states)
+
+    def _draw_each(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        gens: list[torch.Generator | None],
+        states: list[torch.Tensor | None],
+    ) -> SampledTokens:
+        out = SampledTokens([], [], [], [], {})
+        for i, (row, gen, state) in enumerate(zip(rows, gens, states, strict=True)):
+            if gen is not None and state is not None:
+                gen.set_state(state)
+            try:
+                one = self._draw(logits, [row], [gen])
+            except Exception as exc:
+                one = SampledTokens([0], [0.0], [[]], [[]])
+                out.row_errors[i] = f"{type(exc).__name__}: {exc}"
+            out.token_ids.extend(one.token_ids)
+            out.logprobs.extend(one.logprobs)
+            out.top_ids.extend(one.top_ids)
+            out.top_logprobs.extend(one.top_logprobs)
+        return out
+
+    def _draw(
+        self, logits: torch.Tensor, rows: list[SampleRow], gens: list[torch.Generator | None]
+    ) -> SampledTokens:
         device = logits.device
         given = logits
         order = [r.logits_row for r in rows]
@@ -148,12 +182,13 @@ class Sampler:
         device = logits.device
         vocab = logits.shape[1]
         temps = torch.tensor(
-            [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
+            [1.0 if r.params.greedy else r.params.temperature for r in rows],
             device=device,
         )
         logits = logits / temps[:, None]
         top_k = torch.tensor(
-            [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device
+            [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows],
+            device=device,
         )
         top_p = torch.tensor([r.params.top_p for r in rows], device=device)
         # Decided from Python values: no device sync in the hot path.

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.kv_view import KVRecorder, Record, engine_snapshot
+from pagedllm.engine.kv_recorder import KVRecorder, Record
 
 HEARTBEAT_S = 15.0  # an SSE comment now and then keeps proxies from closing an idle stream
 # A stream ends after this long and the page opens a new one (a new token, a snapshot):
@@ -75,20 +75,14 @@ class KVFeed:
         """The picture now and the number of the first record after it (engine thread)."""
         llm = self.engine.engine
         if self.subscribers > 0 and self._recorder is None:
-            self._recorder = KVRecorder.attach(
-                llm, self._publish, text=self.text, step=self.engine.num_steps
-            )
+            self._recorder = llm.record_kv(self._publish, text=self.text)
         if self._recorder is not None:
             return self._recorder.snapshot(), self._head  # snapshot() publishes what is pending
-        tokenizer = llm.tokenizer if self.text else None
-        snapshot = engine_snapshot(
-            llm.scheduler, llm.kv, self.engine.num_steps, tokenizer=tokenizer
-        )
-        return snapshot, self._head
+        return llm.kv_snapshot(text=self.text), self._head
 
     def _detach_if_unwatched(self) -> None:
         if self.subscribers == 0 and self._recorder is not None:
-            self._recorder.detach()
+            self._recorder.close()
             self._recorder = None
             self._records.clear()
             self._tail = self._head

@@ -109,6 +109,10 @@ class EngineCollector(Collector):
             ),
             "num_requests_running": ("requests running", snap.num_running),
             "num_requests_waiting": ("requests waiting to be scheduled", snap.num_waiting),
+            "num_requests_backlog": (
+                "waiting requests the engine cannot admit now (what --max-waiting bounds)",
+                snap.backlog,
+            ),
             "num_seqs_running": ("sequences running", snap.num_running_seqs),
             "prefix_cache_hit_rate": (
                 "prompt tokens served by the prefix cache / prompt tokens",

@@ -20,15 +20,11 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedllm.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineOverloadedError,
-    RequestFailedError,
-    RequestStream,
-)
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.server.errors import APIError, client_closed
 from pagedllm.entrypoints.server.metrics import RequestTracker, ServerMetrics
+from pagedllm.errors import EngineOverloadedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 RETRY_AFTER_S = 1

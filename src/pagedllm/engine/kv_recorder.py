@@ -1,12 +1,12 @@
 """KVRecorder: the engine's KV events, numbered by step, for the live view and for traces.
 
-`KVRecorder.attach(engine, sink)` makes it the listener of the engine's block manager and
-allocator (kv/events.py) and of its step loop. It knows which request each sequence
-serves, notes preemptions, finishes and aborts, and hands `sink` one record per step:
-`{"step": n, "ev": [events], "st": {figures}}`. Events between two steps (an abort) go
-out with the next step's start, under the number of the step before them. Everything runs
-on the engine's thread and the sink must not block: the server's feed drops the record in
-a bounded ring, a trace appends it to a list. `detach()` puts every listener back to None.
+`LLMEngine.record_kv(sink)` makes one: a step listener (engine/listeners.py) that also
+hears the block manager's and allocator's hooks (kv/events.py). It knows which request
+each sequence serves, notes preemptions, finishes and aborts, and hands `sink` one record
+per step: `{"step": n, "ev": [events], "st": {figures}}`. Events between two steps (an
+abort) go out with the next step's start, under the number of the step before them.
+Everything runs on the engine's thread and the sink must not block: the server's feed
+drops the record in a bounded ring, a trace appends it to a list. `close()` stops it.
 
 `engine_snapshot` is the whole picture at one moment (pool, tables, requests, figures),
 with the token text of each block only when asked for.
@@ -15,12 +15,14 @@ with the token text of each block only when asked for.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.sequence import Request
 from pagedllm.core.sequence import Sequence as Seq
+from pagedllm.engine.listeners import StepListener
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.kv.events import Event, TableView
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.pool_state import PoolState
@@ -30,32 +32,28 @@ Record = dict[str, Any]
 Sink = Callable[[Record], None]
 
 
-class Watchable(Protocol):
-    """What the recorder needs of an engine (LLMEngine has it)."""
+class KVRecorder(StepListener):
+    wants_kv_events = True
 
-    scheduler: Scheduler
-    kv: KVCacheManager
-    tokenizer: Any
-    kv_events: KVRecorder | None
-
-
-class KVRecorder:
     def __init__(
         self,
         scheduler: Scheduler,
         kv: KVCacheManager,
         sink: Sink,
+        current: Callable[[], EngineSnapshot],
         *,
         tokenizer: Any = None,
-        text: bool = False,
         step: int = 0,
     ) -> None:
+        """Built by `LLMEngine.record_kv`, which registers it. `current()`: the engine's
+        snapshot now; `tokenizer`: record each block's token text too."""
         self.scheduler = scheduler
         self.kv = kv
         self.sink = sink
-        self.tokenizer = tokenizer if text else None
+        self.current = current
+        self.tokenizer = tokenizer
         self.step = step  # the step running now, or the last one between steps
-        self._engine: Watchable | None = None
+        self.remove: Callable[[], None] | None = None  # set by the engine that registers it
         self._events: list[Event] = []
         self._owner: dict[int, str] = {}  # sequence id -> request id
         # What each table was when last seen, to tell what a hook changed.
@@ -64,54 +62,34 @@ class KVRecorder:
         self._text_from: dict[int, int] = {}  # text mode: first logical block to re-read
         self._seen(kv)
 
-    @classmethod
-    def attach(
-        cls,
-        engine: Watchable,
-        sink: Sink,
-        *,
-        text: bool = False,
-        step: int = 0,
-        tokenizer: Any = None,
-    ) -> KVRecorder:
-        """Listen to `engine` from its current state on; call on the engine's thread.
-        `text`: also record each block's token text (with `tokenizer`, else the engine's)."""
-        if engine.kv_events is not None:
-            raise RuntimeError("the engine already has a KV recorder attached")
-        tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
-        recorder = cls(engine.scheduler, engine.kv, sink, tokenizer=tokenizer, text=text, step=step)
-        recorder._engine = engine
-        engine.kv_events = recorder
-        engine.kv.listener = recorder
-        engine.kv.allocator.listener = recorder
-        return recorder
-
-    def detach(self) -> None:
+    def close(self) -> None:
         """Stop listening (pending events are published first)."""
         self.flush()
-        if self._engine is not None:
-            self._engine.kv_events = None
-            self._engine = None
-        self.kv.listener = None
-        self.kv.allocator.listener = None
+        if self.remove is not None:
+            self.remove()
+            self.remove = None
 
     def snapshot(self) -> Record:
         """Publish what is pending, then the whole picture as of the records published."""
         self.flush()
-        return engine_snapshot(self.scheduler, self.kv, self.step, self._owner, self.tokenizer)
+        return engine_snapshot(
+            self.scheduler, self.kv, self.current(), self.step, self._owner, self.tokenizer
+        )
 
     # --------------------------------------------------------- the step loop
-    def begin_step(self) -> None:
+    def on_step_begin(self, step_number: int) -> None:
         self.flush()
-        self.step += 1
+        self.step = step_number
 
-    def end_step(self, step: SchedulerOutput, outputs: Sequence[RequestOutput]) -> None:
+    def on_step_end(
+        self, step: SchedulerOutput, outputs: Sequence[RequestOutput], ran: EngineSnapshot
+    ) -> None:
         for request_id in step.preempted:
             self._note_before_frees({"k": "preempt", "req": request_id})
         self._events.extend({"k": "finish", "req": o.request_id} for o in outputs if o.finished)
         self.flush(force=True)
 
-    def aborted(self, request_id: str) -> None:
+    def on_abort(self, request_id: str) -> None:
         self._events.append({"k": "abort", "req": request_id})
 
     def flush(self, force: bool = False) -> None:
@@ -121,7 +99,7 @@ class KVRecorder:
         if not (self._events or force):
             return
         events, self._events = self._events, []
-        self.sink({"step": self.step, "ev": events, "st": figures(self.scheduler, self.kv)})
+        self.sink({"step": self.step, "ev": events, "st": self.current().figures()})
 
     # ------------------------------------------------- the allocator's hooks
     def on_cached(self, block: int) -> None:
@@ -252,25 +230,10 @@ def seqs_of(scheduler: Scheduler) -> dict[int, Seq]:
     return {s.seq_id: s for r in scheduler.requests.values() for s in r.seqs}
 
 
-def figures(scheduler: Scheduler, kv: KVCacheManager) -> dict[str, Any]:
-    """The figures the view charts, after a step."""
-    usage = kv.usage()
-    return {
-        "used": usage.used_blocks,
-        "cached": usage.cached_blocks,
-        "tokens": usage.tokens_stored,
-        "util": round(usage.utilization, 4),
-        "shared": usage.shared_blocks,
-        "run": len(scheduler.running),
-        "wait": len(scheduler.waiting),
-        "seqs": scheduler.num_running_seqs,
-        "pre": scheduler.num_preemptions,
-    }
-
-
 def engine_snapshot(
     scheduler: Scheduler,
     kv: KVCacheManager,
+    figures: EngineSnapshot,
     step: int,
     owners: dict[int, str] | None = None,
     tokenizer: Any = None,
@@ -282,7 +245,7 @@ def engine_snapshot(
         "step": step,
         "pool": PoolState.of(kv, owners).to_json(),
         "requests": [_request_json(r) for r in scheduler.requests.values()],
-        "st": figures(scheduler, kv),
+        "st": figures.figures(),
     }
     if tokenizer is not None:
         seqs = seqs_of(scheduler)
@@ -305,7 +268,7 @@ def _request_json(req: Request) -> dict[str, Any]:
         "seqs": [s.seq_id for s in req.seqs],
         "prompt_tokens": len(req.prompt_token_ids),
         "tokens": req.num_tokens,
-        "width": req.max_num_seqs,
+        "width": req.num_seq_slots,
         "beam": isinstance(req.params, BeamSearchParams),
         "preemptions": req.num_preemptions,
     }

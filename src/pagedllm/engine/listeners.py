@@ -1,0 +1,72 @@
+"""StepListener: the one way to listen to an engine, and the fan-out of the pool's hooks.
+
+`LLMEngine.add_listener(listener)` registers a StepListener; the callable it returns
+removes it. A listener hears each step begin and end (with the step's plain-data
+schedule, its outputs and an EngineSnapshot of the engine as the step ran) and each
+abort. One that sets `wants_kv_events` also gets the block manager's and allocator's
+hooks (kv/events.py); the engine installs them only while such a listener exists, so an
+unwatched engine pays one attribute test per bookkeeping operation. Every call comes on
+the engine's thread and must not block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.snapshot import EngineSnapshot
+from pagedllm.kv.events import KVListener, TableView
+
+
+class StepListener:
+    """Override what you need; every hook does nothing by default."""
+
+    wants_kv_events = False  # True: also a KVListener (kv/events.py) of the block manager
+
+    def on_step_begin(self, step_number: int) -> None:
+        """Step `step_number` (counting from 1) is about to be scheduled."""
+
+    def on_step_end(
+        self, step: SchedulerOutput, outputs: Sequence[RequestOutput], ran: EngineSnapshot
+    ) -> None:
+        """The step ran. `ran`: the engine as the step ran, its tokens computed, before
+        the sequences that finished in it let go of their blocks."""
+
+    def on_abort(self, request_id: str) -> None:
+        """The request was aborted (or failed) and its blocks freed."""
+
+
+class KVHooks:
+    """The block manager's one listener forwarding to several KV listeners, in order."""
+
+    def __init__(self, listeners: Sequence[KVListener]) -> None:
+        self.listeners = tuple(listeners)
+
+    def on_cached(self, block: int) -> None:
+        for listener in self.listeners:
+            listener.on_cached(block)
+
+    def on_evicted(self, block: int) -> None:
+        for listener in self.listeners:
+            listener.on_evicted(block)
+
+    def on_cache_reset(self) -> None:
+        for listener in self.listeners:
+            listener.on_cache_reset()
+
+    def on_admitted(self, seq_id: int, table: TableView, num_hits: int) -> None:
+        for listener in self.listeners:
+            listener.on_admitted(seq_id, table, num_hits)
+
+    def on_grown(self, seq_id: int, table: TableView, copies: list[tuple[int, int]]) -> None:
+        for listener in self.listeners:
+            listener.on_grown(seq_id, table, copies)
+
+    def on_forked(self, parent_id: int, child_id: int, table: TableView) -> None:
+        for listener in self.listeners:
+            listener.on_forked(parent_id, child_id, table)
+
+    def on_freed(self, seq_id: int, table: TableView) -> None:
+        for listener in self.listeners:
+            listener.on_freed(seq_id, table)
