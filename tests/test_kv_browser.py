@@ -1,6 +1,8 @@
 """The KV view in a real browser (headless Chromium over the DevTools protocol): the live
 page of a busy server (1,456 blocks, 100+ running requests) draws every block, and a
-replay file of a beam search draws its forks and copies. Screenshots go to the test's
+replay file of a beam search draws its forks and copies. Both run under their
+Content-Security-Policy, which stops any other script; data that looks like markup stays
+text. Screenshots go to the test's
 temporary folder, or to $KV_VIEW_SCREENSHOTS when set. Skipped where Chromium is absent
 (`make chromium` installs it)."""
 
@@ -18,6 +20,7 @@ from kv_demo import busy_server, freeze_when_busy, record_beam_search, start_loa
 from live_server import build_chat_model
 from pagedllm.engine.kv_recorder import KVRecorder
 from pagedllm.entrypoints.cli import main
+from pagedllm.entrypoints.kv_view.page import render
 
 pytestmark = pytest.mark.skipif(
     chromium_path() is None,
@@ -30,6 +33,14 @@ def browser() -> Iterator[Browser]:
     pytest.importorskip("websockets", reason="the DevTools client needs `websockets` (dev extra)")
     with Browser(width=1500, height=1100) as b:
         yield b
+
+
+# An inline script added to the page: the policy must stop it.
+INJECTED_SCRIPT_RUNS = (
+    "(() => { const s = document.createElement('script');"
+    " s.textContent = 'window.__injected = 1'; document.body.append(s);"
+    " return window.__injected === 1; })()"
+)
 
 
 def shots_dir(tmp_path: Path) -> Path:
@@ -58,6 +69,7 @@ def test_live_page_draws_a_busy_pool(browser: Browser, tmp_path: Path) -> None:
         counts = json.loads(data["counts"])
         assert counts["fork"] > 0 and counts["cow"] > 0 and counts["alloc"] > 0
         assert "API key" not in browser.evaluate("document.getElementById('status').textContent")
+        assert browser.evaluate(INJECTED_SCRIPT_RUNS) is False
         browser.screenshot(shots_dir(tmp_path) / "kv-view-live.png")
     finally:
         browser.goto("about:blank")  # an open stream would hold the server's shutdown up
@@ -100,6 +112,7 @@ def test_replay_of_a_beam_search_shows_forks_and_copies(
     assert counts["fork"] > 0 and counts["cow"] > 0
     # Four beams share their first blocks: more arrows than physical blocks.
     assert int(data["tableArrows"]) > int(data["usedBlocks"])
+    assert browser.evaluate(INJECTED_SCRIPT_RUNS) is False
     browser.screenshot(shots_dir(tmp_path) / "kv-view-beam-replay.png")
     # The slider goes back to the start: an empty pool.
     browser.evaluate(
@@ -107,3 +120,44 @@ def test_replay_of_a_beam_search_shows_forks_and_copies(
         "s.dispatchEvent(new Event('input'))"
     )
     browser.wait_for("document.body.dataset.usedBlocks === '0'", "the empty pool at step 0")
+
+
+def test_markup_in_a_trace_stays_text(browser: Browser, tmp_path: Path) -> None:
+    """`pagedllm kv-view` refuses such a trace; the page, given one anyway, draws it as
+    text: no element is made from it and nothing in it runs."""
+    mark = "<img src=x onerror=window.__xss=1>"
+    pool = {
+        "num_blocks": 4,
+        "block_size": 4,
+        "ref": [0] * 4,
+        "cached": [0] * 4,
+        "fill": [0] * 4,
+        "owners": [[] for _ in range(4)],
+        "seqs": [],
+    }
+    st = {"used": mark, "cached": 0, "tokens": 3, "util": 0.1, "shared": 0, "run": mark}
+    st.update(wait=0, seqs=1, pre=mark)
+    trace = {
+        "format": "pagedllm-kv-trace",
+        "version": 1,
+        "meta": {"command": mark},
+        "start": {"step": 0, "pool": pool, "requests": [], "st": {**st, "used": 0}},
+        "records": [
+            {
+                "step": 1,
+                "ev": [{"k": "alloc", "seq": 0, "req": mark, "blocks": [1], "tokens": 3}],
+                "st": st,
+            }
+        ],
+    }
+    page = tmp_path / "crafted.html"
+    page.write_text(render("replay", trace), encoding="utf-8")
+    browser.goto(page.as_uri())
+    browser.wait_for("document.body.dataset.step === '1'", "the crafted step")
+    made = "document.querySelectorAll('img, [onerror]').length"
+    assert browser.evaluate(made) == 0
+    assert browser.evaluate("window.__xss") is None
+    stats = browser.evaluate("document.getElementById('stats').textContent")
+    assert mark in stats
+    assert browser.evaluate("document.querySelector('#reqlist .id').title") == mark
+    assert mark in browser.evaluate("document.getElementById('chartlegend').textContent")

@@ -199,3 +199,55 @@ def test_errors_name_the_request_field_and_kind(server: LiveServer) -> None:
     streamed = completion(server, prompt="Hi", n=1, best_of=2, stream=True)
     words = ("best_of must equal n when streaming",)
     check_error(streamed, 400, param="best_of", code="invalid_value", words=words)
+
+
+def test_stream_options_need_stream(server: LiveServer) -> None:
+    words = ("stream_options is only allowed with stream: true",)
+    for send in (completion, chat):
+        for stream in ({}, {"stream": False}):
+            r = send(server, prompt="Hi", stream_options={"include_usage": True}, **stream)
+            check_error(r, 400, param="stream_options", code="invalid_value", words=words)
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": {}},
+    ) as r:
+        assert r.status_code == 200
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+
+
+def test_logit_bias_keys_are_plain_decimal_token_ids(server: LiveServer) -> None:
+    # int() reads each of these as a number; none of them is how a token id is written.
+    for key in ("1_0", " 10", "10 ", "+10", "１０", "0x10", "1e1", "", "-"):
+        r = completion(server, prompt="Hi", logit_bias={key: 1})
+        check_error(r, 400, param="logit_bias", code="invalid_value", words=(repr(key),))
+    r = chat(server, logit_bias={"1_0": 1})
+    check_error(r, 400, param="logit_bias", code="invalid_value", words=("'1_0'",))
+    # A negative id is read, and the engine names the range.
+    check_error(completion(server, prompt="Hi", logit_bias={"-1": 1}), 400, param="logit_bias")
+    assert completion(server, prompt="Hi", logit_bias={"10": 1, "0": -1}).status_code == 200
+
+
+def test_a_lone_surrogate_in_stop_is_a_400(server: LiveServer) -> None:
+    url = server.url + "/v1"
+    for body in (
+        r'{"prompt":"Hi","max_tokens":2,"stop":"\ud800"}',
+        r'{"prompt":"Hi","max_tokens":2,"stop":["ok","a\udfff"]}',
+    ):
+        check_error(
+            post_raw(url + "/completions", body),
+            400,
+            param="stop",
+            code="invalid_value",
+            words=("surrogate",),
+        )
+    error = check_error(
+        post_raw(
+            url + "/chat/completions",
+            r'{"messages":[{"role":"user","content":"Hi"}],"stop":["\ud800"]}',
+        ),
+        400,
+        param="stop",
+        code="invalid_value",
+    )
+    assert error["message"].startswith("stop[0] is not valid Unicode text")

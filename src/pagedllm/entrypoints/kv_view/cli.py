@@ -1,4 +1,5 @@
-"""`pagedllm kv-view TRACE -o run.html`: a self-contained HTML replay of a `--kv-trace` file."""
+"""`pagedllm kv-view TRACE -o run.html`: a self-contained HTML replay of a `--kv-trace` file.
+A trace whose contents the page could not draw safely is refused, naming the field."""
 
 from __future__ import annotations
 
@@ -23,8 +24,13 @@ def add_kv_view_parser(sub: Any) -> argparse.ArgumentParser:
 def run_kv_view(args: argparse.Namespace) -> int:
     from pagedllm.engine.kv_trace import load_trace
     from pagedllm.entrypoints.kv_view.page import render
+    from pagedllm.entrypoints.kv_view.trace_check import check_trace
 
     trace = load_trace(args.trace)
+    try:
+        check_trace(trace)
+    except ValueError as exc:
+        raise ValueError(f"the replay page cannot draw {args.trace}: {exc}") from None
     output = Path(args.output) if args.output else Path(args.trace).with_suffix(".html")
     if output.resolve() == Path(args.trace).resolve():
         raise ValueError(f"the output {output} would overwrite the trace; pass -o")

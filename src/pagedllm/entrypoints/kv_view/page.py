@@ -2,7 +2,9 @@
 
 Both are the same template with the same stylesheet and script inlined (no build step,
 no network: a replay file opens from disk anywhere); only the mode and, for a replay,
-the trace differ.
+the trace differ. Each page carries its Content-Security-Policy in a <meta> element
+(`content_policy`): only its own inline script and stylesheet may run, by hash; the live
+server sends the same policy as a header too, with `frame-ancestors`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import re
 from functools import cache
 from importlib import resources
 from typing import Any
+
+from pagedllm.entrypoints.server.csp import policy
+
+MODES = ("live", "replay")
 
 
 @cache
@@ -30,9 +36,20 @@ def _script_json(data: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+@cache
+def content_policy(mode: str, header: bool = False) -> str:
+    """The page's policy; `header`: the HTTP header's form (with frame-ancestors, which a
+    <meta> policy cannot carry). Only the live page talks to its server."""
+    # The inline script and stylesheet are the assets alone, whatever the trace or title.
+    code = {"/*__CSS__*/": _asset("kv_view.css"), "/*__JS__*/": _asset("kv_view.js")}
+    page = _fill(_asset("kv_view.html"), code)
+    connect = ("'self'",) if mode == "live" else ()
+    return policy(page, connect=connect, frame_ancestors=header)
+
+
 def render(mode: str, trace: dict[str, Any] | None = None, title: str = "pagedllm KV view") -> str:
     """The page: `mode` "live" (reads /kv/events) or "replay" (of `trace`)."""
-    if mode not in ("live", "replay"):
+    if mode not in MODES:
         raise ValueError(f"mode must be 'live' or 'replay', got {mode!r}")
     if (trace is None) == (mode == "replay"):
         raise ValueError("a replay page needs a trace, and only a replay page takes one")
@@ -43,7 +60,13 @@ def render(mode: str, trace: dict[str, Any] | None = None, title: str = "pagedll
         "__TRACE__": _script_json(trace),
         "__TITLE__": html.escape(title),
         "__MODE__": mode,
+        # Only quotes need escaping in the attribute: the policy holds no '"', '&' or '<'.
+        "__CSP__": content_policy(mode).replace('"', "&quot;"),
     }
+    return _fill(_asset("kv_view.html"), parts)
+
+
+def _fill(template: str, parts: dict[str, str]) -> str:
     # One pass: what is put in (a trace, the script) is never searched for markers again.
     pattern = "|".join(re.escape(marker) for marker in parts)
-    return re.sub(pattern, lambda m: parts[m.group(0)], _asset("kv_view.html"))
+    return re.sub(pattern, lambda m: parts[m.group(0)], template)

@@ -8,35 +8,27 @@ key too; see kv_routes.py), and, only with `enable_docs`, /docs, /redoc and /ope
 a fixed order: API key (401), size (413), arrival within `body_timeout` (408), JSON (400),
 fields (400), model name (404), unsupported fields and sampling values (400), prompt text
 (400), backlog (503), context and KV-pool fit (400). Bad client input is never a 500.
+
+The pieces live beside it: the key check in auth.py, body reading and JSON parsing in
+body.py, the routers in routes.py and kv_routes.py, request ids and the headers every
+response carries in request_id.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import json
 import os
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
 
 import pagedllm.entrypoints.server.protocol as p
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.server.errors import (
-    APIError,
-    client_closed,
-    from_validation_error,
-    install_error_handlers,
-)
+from pagedllm.entrypoints.server.auth import ApiKey
+from pagedllm.entrypoints.server.body import BodyReader, RequestReader
+from pagedllm.entrypoints.server.errors import install_error_handlers
 from pagedllm.entrypoints.server.kv_feed import KVFeed
 from pagedllm.entrypoints.server.kv_routes import kv_router
 from pagedllm.entrypoints.server.limits import (
@@ -45,10 +37,11 @@ from pagedllm.entrypoints.server.limits import (
     check_limits,
 )
 from pagedllm.entrypoints.server.metrics import ServerMetrics
+from pagedllm.entrypoints.server.request_id import RequestIdMiddleware
+from pagedllm.entrypoints.server.routes import api_router, docs_router, ops_router
 from pagedllm.entrypoints.server.serving import Serving
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-M = TypeVar("M", bound=BaseModel)
 
 
 def default_model_name(model_path: str | None) -> str:
@@ -83,28 +76,21 @@ def create_app(
     elif max_waiting is not None:
         engine.max_waiting = max_waiting
     check_limits(max_request_bytes, body_timeout)
-    api_key = api_key or None  # "" (e.g. PAGEDLLM_API_KEY="") means no key, as it reads
-    async_engine = engine
-    llm = async_engine.engine
+    key = ApiKey(api_key)
+    llm = engine.engine
     name = served_model_name or default_model_name(llm.config.model)
-    card = p.ModelCard(id=name, max_model_len=llm.max_model_len)
-    metrics = ServerMetrics(async_engine)
-    serving = Serving(async_engine, metrics, name)
+    metrics = ServerMetrics(engine)
+    serving = Serving(engine, metrics, name)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
-        try:
-            yield
-        finally:
-            async_engine.shutdown()
-            serving.encoder.close()
-
-    # FastAPI's own docs routes cannot take the key: ours below can.
+    # FastAPI's own docs routes cannot take the key: docs_router's can.
     app = FastAPI(
-        title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="pagedllm",
+        lifespan=_lifespan(engine, serving),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
-    app.state.engine = async_engine
+    app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = name
     install_error_handlers(app, on_error=lambda e: metrics.rejected.labels(status=e.status).inc())
@@ -113,148 +99,37 @@ def create_app(
             CORSMiddleware,
             allow_origins=list(allowed_origins),
             allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type"],
+            # Any header, as vLLM: the official clients send their own (x-stainless-*).
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
         )
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so on every response
 
-    def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        )
-        if not ok:
-            raise APIError(
-                401,
-                "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    async def read_body(request: Request) -> bytes:
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > max_request_bytes:
-            raise _too_large(int(length), max_request_bytes)
-
-        async def read() -> bytes:
-            body = bytearray()
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_request_bytes:
-                    raise _too_large(None, max_request_bytes)
-            return bytes(body)
-
-        try:
-            # A client that sends less than its Content-Length (or trickles) would hold
-            # the connection and this handler forever.
-            return await asyncio.wait_for(read(), body_timeout)
-        except asyncio.TimeoutError:
-            raise APIError(
-                408,
-                f"the request body did not arrive within {body_timeout:g} s",
-                code="request_timeout",
-                headers={"Connection": "close"},  # the rest of the body may still come
-            ) from None
-        except ClientDisconnect:
-            raise client_closed() from None
-
-    async def read_request(request: Request, model: type[M]) -> M:
-        body = await read_body(request)
-        try:
-            data: Any = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise APIError(
-                400, f"the request body is not valid JSON: {exc}", code="invalid_json"
-            ) from None
-        except RecursionError:  # json's C decoder stops at the interpreter's depth limit
-            raise APIError(
-                400, "the request body is not valid JSON: it nests too deeply", code="invalid_json"
-            ) from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        try:
-            parsed = model.model_validate(data)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-        requested = getattr(parsed, "model", None)
-        if requested is not None and requested != name:
-            raise _model_not_found(requested, name)
-        return parsed
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-
-    @v1.post("/completions")
-    async def completions(request: Request) -> Response:
-        return await serving.completions(await read_request(request, p.CompletionRequest), request)
-
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serving.chat(await read_request(request, p.ChatCompletionRequest), request)
-
-    # HEAD (for probes) stays out of the schema: one operation per route there.
-    @v1.head("/models", include_in_schema=False)
-    @v1.get("/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(p.dump(p.ModelList(data=[card])))
-
-    @v1.head("/models/{model_id:path}", include_in_schema=False)
-    @v1.get("/models/{model_id:path}")
-    async def model(model_id: str) -> JSONResponse:
-        if model_id != name:
-            raise _model_not_found(model_id, name)
-        return JSONResponse(p.dump(card))
-
-    app.include_router(v1)
+    reader = RequestReader(BodyReader(max_request_bytes, body_timeout), name)
+    card = p.ModelCard(id=name, max_model_len=llm.max_model_len)
+    app.include_router(api_router(serving, reader, card, key))
     if kv_view:
-        feed = KVFeed(async_engine, text=kv_view_text, interval=kv_view_interval)
+        feed = KVFeed(engine, text=kv_view_text, interval=kv_view_interval)
         app.state.kv_feed = feed
-        app.include_router(kv_router(feed, api_key, check_api_key))
-
-    @app.head("/health", include_in_schema=False)
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if not async_engine.healthy:
-            raise APIError(503, "the engine loop has stopped", code="engine_dead")
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+        app.include_router(kv_router(feed, key))
+    app.include_router(ops_router(engine, metrics))
     if enable_docs:
-        docs = APIRouter(dependencies=[Depends(check_api_key)], include_in_schema=False)
-
-        @docs.get("/openapi.json")
-        async def openapi() -> JSONResponse:
-            return JSONResponse(app.openapi())
-
-        @docs.get("/docs")
-        async def swagger() -> HTMLResponse:
-            return get_swagger_ui_html(openapi_url="/openapi.json", title="pagedllm")
-
-        @docs.get("/redoc")
-        async def redoc() -> HTMLResponse:
-            return get_redoc_html(openapi_url="/openapi.json", title="pagedllm")
-
-        app.include_router(docs)
-
+        app.include_router(docs_router(app, key))
     return app
 
 
-def _model_not_found(requested: str, name: str) -> APIError:
-    return APIError(
-        404,
-        f"the model '{requested}' does not exist; this server serves '{name}'",
-        param="model",
-        code="model_not_found",
-    )
+def _lifespan(
+    engine: AsyncLLMEngine, serving: Serving
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Start the engine loop with the app; stop it, and the tokenizer thread, after."""
 
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+            serving.encoder.close()
 
-def _too_large(size: int | None, limit: int) -> APIError:
-    what = f"the request body ({size} bytes)" if size is not None else "the request body"
-    return APIError(
-        413,
-        f"{what} exceeds the limit of {limit} bytes",
-        code="request_too_large",
-        headers={"Connection": "close"},  # the rest of the body is not read
-    )
+    return lifespan

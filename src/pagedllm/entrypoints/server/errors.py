@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm.entrypoints.server.request_id import request_id, response_headers
 from pagedllm.errors import InvalidParameterError
 
 logger = logging.getLogger("pagedllm")
@@ -34,6 +35,8 @@ _TYPES = {
     499: "invalid_request_error",  # the client closed the request (nginx's code)
     503: "service_unavailable_error",
 }
+# Routing errors (raised by Starlette, not by this server's code) get codes too.
+_ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 class APIError(Exception):
@@ -121,24 +124,52 @@ def install_error_handlers(
 ) -> None:
     """Answer every error in the OpenAI format; `on_error` sees each APIError (metrics)."""
 
-    def respond(exc: APIError) -> JSONResponse:
+    def respond(request: Request, exc: APIError) -> JSONResponse:
+        logger.info(
+            "request %s: %s %s answered %d (%s)",
+            request_id(request),
+            request.method,
+            request.url.path,
+            exc.status,
+            exc.code,
+        )
         if on_error is not None:
             on_error(exc)
         return exc.response()
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return respond(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(from_validation_error(exc))
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, from_validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return respond(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(request, routing_error(request, exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error serving %s", request.url.path)
-        return respond(APIError(500, "internal server error", code="internal_error"))
+        logger.exception(
+            "request %s: unexpected error serving %s", request_id(request), request.url.path
+        )
+        # Answered outside the request id middleware: its headers are added here.
+        error = APIError(
+            500, "internal server error", code="internal_error", headers=response_headers(request)
+        )
+        return respond(request, error)
+
+
+def routing_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    """404 for a path the server does not have, 405 for a method a path does not take."""
+    status = exc.status_code
+    where = f"{request.method} {request.url.path}"
+    if status == 404:
+        message = f"there is no {where} on this server"
+    elif status == 405:
+        allowed = (exc.headers or {}).get("Allow")
+        message = f"{where} is not allowed" + (f"; use {allowed}" if allowed else "")
+    else:
+        message = str(exc.detail)
+    return APIError(status, message, code=_ROUTING_CODES.get(status), headers=exc.headers)

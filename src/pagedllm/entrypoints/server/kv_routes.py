@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import time
 from collections.abc import Callable
 
@@ -23,11 +24,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.responses import StreamingResponse
 
-from pagedllm.entrypoints.kv_view.page import render
-from pagedllm.entrypoints.server.errors import APIError
+from pagedllm.entrypoints.kv_view.page import content_policy, render
+from pagedllm.entrypoints.server.auth import ApiKey, same_bytes, unauthorized
 from pagedllm.entrypoints.server.kv_feed import KVFeed
 
 TOKEN_TTL_S = 60
+NO_STORE = {"Cache-Control": "no-store"}
 
 
 class StreamTokens:
@@ -43,8 +45,13 @@ class StreamTokens:
         return f"{expiry}.{self._sign(expiry)}"
 
     def valid(self, token: str) -> bool:
+        """Whether `token` is one of ours and unexpired; any text is safe to pass."""
         expiry, _, signature = token.partition(".")
-        if not expiry.isdigit() or not hmac.compare_digest(signature, self._sign(expiry)):
+        # ASCII digits only: str.isdigit() also takes '²', which int() then refuses.
+        if not re.fullmatch("[0-9]{1,20}", expiry):
+            return False
+        expected = self._sign(expiry).encode("ascii")
+        if not same_bytes(signature.encode("utf-8", errors="replace"), expected):
             return False
         return int(expiry) >= self.clock()
 
@@ -52,53 +59,42 @@ class StreamTokens:
         return hmac.new(self._secret, b"kv-events:" + expiry.encode(), hashlib.sha256).hexdigest()
 
 
-def kv_router(
-    feed: KVFeed, api_key: str | None, check_api_key: Callable[[Request], None]
-) -> APIRouter:
-    """The routes over `feed`; `check_api_key` raises the 401 when a key is set."""
+def kv_router(feed: KVFeed, api_key: ApiKey) -> APIRouter:
+    """The routes over `feed`, behind `api_key` when one is set."""
     router = APIRouter(prefix="/kv", include_in_schema=False)
     tokens = StreamTokens()
     page = render("live")
-
-    def authorized(request: Request) -> bool:
-        try:
-            check_api_key(request)
-        except APIError:
-            return False
-        return True
+    page_headers = {**NO_STORE, "Content-Security-Policy": content_policy("live", header=True)}
 
     @router.get("")
     async def kv_page(request: Request) -> HTMLResponse:
         # The page is only a shell: the data behind it asks for the key.
-        status = 200 if api_key is None or authorized(request) else 401
-        return HTMLResponse(page, status_code=status, headers={"Cache-Control": "no-store"})
+        status = 200 if api_key.accepts(request) else 401
+        return HTMLResponse(page, status_code=status, headers=page_headers)
 
     @router.get("/snapshot")
     async def kv_snapshot(request: Request) -> JSONResponse:
-        check_api_key(request)
+        api_key(request)
         snapshot, _ = await feed.snapshot()
-        return JSONResponse(snapshot, headers={"Cache-Control": "no-store"})
+        return JSONResponse(snapshot, headers=NO_STORE)
 
     @router.post("/token")
     async def kv_token(request: Request) -> JSONResponse:
-        check_api_key(request)
-        token = tokens.issue() if api_key is not None else None
+        api_key(request)
+        token = tokens.issue() if api_key.required else None
         return JSONResponse(
-            {"token": token, "expires_in": TOKEN_TTL_S if token else None},
-            headers={"Cache-Control": "no-store"},
+            {"token": token, "expires_in": TOKEN_TTL_S if token else None}, headers=NO_STORE
         )
 
     @router.get("/events")
     async def kv_events(request: Request) -> StreamingResponse:
         token = request.query_params.get("token")
-        if api_key is not None and not (token and tokens.valid(token)):
+        if api_key.required and not (token and tokens.valid(token)):
             if token:
-                raise APIError(
-                    401,
-                    "the KV view token is invalid or expired: get a new one with POST /kv/token",
-                    code="invalid_api_key",
+                raise unauthorized(
+                    "the KV view token is invalid or expired: get a new one with POST /kv/token"
                 )
-            check_api_key(request)
+            api_key(request)
         return StreamingResponse(
             feed.stream(),
             media_type="text/event-stream",

@@ -10,11 +10,13 @@ than silently ignored; other unknown fields are ignored.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.engine.prompts import check_text
 from pagedllm.errors import UNSUPPORTED, InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
@@ -49,6 +51,20 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    def check_common(self) -> None:
+        """The checks both endpoints make of the fields they share."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameterError(
+                "stream_options", "stream_options is only allowed with stream: true"
+            )
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        for i, stop in enumerate(stops):
+            # A lone surrogate could never match generated text: the request is a mistake.
+            try:
+                check_text(stop, "stop" if isinstance(self.stop, str) else f"stop[{i}]")
+            except InvalidParameterError as exc:
+                raise InvalidParameterError("stop", str(exc)) from None
 
     def _params(
         self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None
@@ -91,6 +107,7 @@ class CompletionRequest(_SamplingRequest):
     suffix: Any = None
 
     def check(self) -> None:
+        self.check_common()
         _refuse({"echo": self.echo, "suffix": bool(self.suffix)})
         # The n best of best_of are known only at the end: a stream could not send them.
         if self.stream and self.best_of not in (None, self.n):
@@ -170,6 +187,7 @@ class ChatCompletionRequest(_SamplingRequest):
     prediction: Any = None
 
     def check(self) -> None:
+        self.check_common()
         for i, message in enumerate(self.messages):
             message.check(f"messages[{i}]")
         # Asking for nothing (no tools, plain text) is fine; anything else would be ignored.
@@ -207,15 +225,21 @@ class ChatCompletionRequest(_SamplingRequest):
         ]
 
 
+# Plain decimal only: int() would also read "1_0" as 10, and " 7" or "+7" as 7. A leading
+# "-" passes, so that the engine answers with the vocabulary's range.
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,18}")
+
+
 def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bias is None:
         return None
-    try:
-        return {int(k): v for k, v in bias.items()}
-    except ValueError:
-        raise InvalidParameterError(
-            "logit_bias", "logit_bias keys must be token ids (integers, as JSON strings)"
-        ) from None
+    for key in bias:
+        if not _TOKEN_KEY.fullmatch(key):
+            raise InvalidParameterError(
+                "logit_bias",
+                f"logit_bias keys must be token ids in decimal digits (at most 18), got {key!r}",
+            )
+    return {int(k): v for k, v in bias.items()}
 
 
 def _refuse(asked: dict[str, bool]) -> None:

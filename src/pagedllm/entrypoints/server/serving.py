@@ -1,13 +1,22 @@
 """The `/v1/completions` and `/v1/chat/completions` handlers: request -> SamplingParams and
 prompt token ids (tokenized off the engine thread) -> engine -> OpenAI response (one JSON
 body, or Server-Sent Events with `stream: true`). A completion's `prompt` may be a batch:
-prompt i's choices are i*n .. i*n+n-1, as in vLLM, and usage is summed."""
+prompt i's choices are i*n .. i*n+n-1, as in vLLM, and usage is summed.
+
+Both endpoints share one flow (`Serving._start`, then `Serving._respond`): check the
+request, build its SamplingParams, encode its prompts, queue them, then stream or collect
+and count usage. Each endpoint says only what differs: how its prompts are encoded and
+the shape of its choices. Engine request ids are `cmpl-`/`chatcmpl-` + the request id
+(the client's X-Request-Id, or one made for it) + a running number, so that two clients
+that send the same X-Request-Id still get separate engine requests.
+"""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -22,15 +31,21 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.errors import from_invalid_param
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
+from pagedllm.entrypoints.server.request_id import request_id
 from pagedllm.entrypoints.server.streaming import (
     Delta,
     DeltaTracker,
+    Generation,
     collect,
     sse_response,
     submit,
     usage_of,
 )
 from pagedllm.errors import InvalidParameterError
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+Choices = list[dict[str, Any]]
 
 
 @contextmanager
@@ -44,6 +59,33 @@ def request_fields(fields: Mapping[str, str]) -> Iterator[None]:
 
 
 @dataclass
+class Started:
+    """A request the engine has taken: its response id, time and generation."""
+
+    rid: str
+    created: int
+    model: str
+    params: SamplingParams
+    gen: Generation
+    deltas: DeltaTracker
+
+    def body(self, obj: str, choices: Choices, usage: dict[str, int] | None) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+
+def worth_sending(d: Delta, logprobs: int | None) -> bool:
+    """Whether a stream chunk for `d` would tell the client anything."""
+    return bool(d.text or d.finish_reason or (logprobs is not None and d.token_ids))
+
+
+@dataclass
 class Serving:
     engine: AsyncLLMEngine
     metrics: ServerMetrics
@@ -53,6 +95,7 @@ class Serving:
     def __post_init__(self) -> None:
         tokenizer = self.engine.engine.tokenizer
         self.encoder = PromptEncoder(tokenizer)
+        self._numbers = itertools.count()
 
         @lru_cache(maxsize=65536)
         def token_str(token_id: int) -> str:
@@ -62,18 +105,65 @@ class Serving:
 
         self.token_str = token_str
 
-    # ---------------------------------------------------------- completions
-    async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
+    # ------------------------------------------------------------ the shared flow
+    async def _start(
+        self,
+        req: p.CompletionRequest | p.ChatCompletionRequest,
+        raw: Request,
+        prefix: str,
+        encode: Callable[[], Awaitable[list[list[int]]]],
+    ) -> Started:
+        """Check, build the params, encode and queue: 400 naming the field, or 503."""
         arrival = time.monotonic()
         created = int(time.time())  # one value for every chunk of a stream, as OpenAI's
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        client_id = request_id(raw)
+        rid = f"{prefix}-{client_id}-{next(self._numbers)}"
         with request_fields(req.param_names()):
             req.check()
             params = req.sampling_params()
-            prompts = await self.encoder.prompts(req.prompts())
-            gen = await submit(self.engine, self.metrics, rid, prompts, params, arrival)
+            prompts = await encode()
+            gen = await submit(self.engine, self.metrics, rid, prompts, params, arrival, client_id)
+        logger.info(
+            "request %s: %s, engine request %s, %d prompt(s)",
+            client_id,
+            raw.url.path,
+            rid,
+            len(prompts),
+        )
+        return Started(rid, created, self.model_name, params, gen, DeltaTracker(params))
+
+    async def _respond(
+        self,
+        s: Started,
+        req: p.CompletionRequest | p.ChatCompletionRequest,
+        raw: Request,
+        objects: tuple[str, str],
+        stream_choices: Callable[[int, RequestOutput], Iterable[Choices]],
+        final_choices: Callable[[list[RequestOutput]], Choices],
+    ) -> Response:
+        """Stream or collect, with usage. `objects`: the `object` of a stream chunk and
+        of a whole response; `stream_choices` gives the choices of each chunk for an
+        output (with its prompt's position), `final_choices` those of the whole."""
+        chunk_obj, whole_obj = objects
+        if req.stream:
+
+            def chunks(position: int, out: RequestOutput) -> Iterable[dict[str, Any]]:
+                for choices in stream_choices(position, out):
+                    yield s.body(chunk_obj, choices, None)
+
+            def last(finals: list[RequestOutput]) -> Iterable[dict[str, Any]]:
+                if req.include_usage:
+                    yield s.body(chunk_obj, [], usage_of(finals))
+
+            return sse_response(s.gen, chunks, last)
+        finals = await collect(raw, s.gen)
+        return JSONResponse(s.body(whole_obj, final_choices(finals), usage_of(finals)))
+
+    # ---------------------------------------------------------- completions
+    async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
+        s = await self._start(req, raw, "cmpl", lambda: self.encoder.prompts(req.prompts()))
         k = req.logprobs
-        n = params.n
+        n = s.params.n
 
         def choice(d: Delta) -> dict[str, Any]:
             lps = self._completion_logprobs(d, k) if k is not None else None
@@ -84,28 +174,16 @@ class Serving:
                 "finish_reason": d.finish_reason,
             }
 
-        def body(choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-                "usage": usage,
-            }
+        def stream_choices(position: int, out: RequestOutput) -> Iterable[Choices]:
+            for d in s.deltas.deltas(out, position * n):
+                if worth_sending(d, k):
+                    yield [choice(d)]
 
-        deltas = DeltaTracker(params)
-        if req.stream:
+        def final_choices(finals: list[RequestOutput]) -> Choices:
+            return [choice(d) for i, out in enumerate(finals) for d in s.deltas.deltas(out, i * n)]
 
-            def chunks(position: int, out: RequestOutput) -> Iterable[dict[str, Any]]:
-                for d in deltas.deltas(out, position * n):
-                    if d.text or d.finish_reason or (k is not None and d.token_ids):
-                        yield body([choice(d)], None)
-
-            return sse_response(gen, chunks, self._usage_chunk(req.include_usage, body))
-        finals = await collect(raw, gen)
-        choices = [choice(d) for i, out in enumerate(finals) for d in deltas.deltas(out, i * n)]
-        return JSONResponse(body(choices, usage_of(finals)))
+        objects = ("text_completion", "text_completion")
+        return await self._respond(s, req, raw, objects, stream_choices, final_choices)
 
     def _completion_logprobs(self, d: Delta, k: int) -> dict[str, Any]:
         out = p.CompletionLogProbs()
@@ -122,74 +200,49 @@ class Serving:
 
     # ----------------------------------------------------------------- chat
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
-        arrival = time.monotonic()
-        created = int(time.time())  # one value for every chunk of a stream, as OpenAI's
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        with request_fields(req.param_names()):
-            req.check()
-            params = req.sampling_params()
-            ids = await self.encoder.chat(req.conversation(), req.add_generation_prompt)
-            gen = await submit(self.engine, self.metrics, rid, [ids], params, arrival)
+        async def encode() -> list[list[int]]:
+            return [await self.encoder.chat(req.conversation(), req.add_generation_prompt)]
+
+        s = await self._start(req, raw, "chatcmpl", encode)
         k = (req.top_logprobs or 0) if req.logprobs else None
 
         def lps(d: Delta) -> dict[str, Any] | None:
             return None if k is None else {"content": self._chat_logprobs(d, k)}
 
-        def body(
-            choices: list[dict[str, Any]],
-            usage: dict[str, int] | None,
-            obj: str = "chat.completion.chunk",
-        ) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-                "usage": usage,
-            }
+        started: set[int] = set()
 
-        deltas = DeltaTracker(params)
-        if req.stream:
-            started: set[int] = set()
-
-            def chunks(_: int, out: RequestOutput) -> Iterable[dict[str, Any]]:
-                for d in deltas.deltas(out):
-                    if d.index not in started:
-                        started.add(d.index)
-                        first = {
+        def stream_choices(_: int, out: RequestOutput) -> Iterable[Choices]:
+            for d in s.deltas.deltas(out):
+                if d.index not in started:  # each choice opens with its role
+                    started.add(d.index)
+                    first = {"role": "assistant", "content": ""}
+                    yield [
+                        {"index": d.index, "delta": first, "logprobs": None, "finish_reason": None}
+                    ]
+                if worth_sending(d, k):
+                    delta = {"content": d.text} if d.text else {}
+                    yield [
+                        {
                             "index": d.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
+                            "delta": delta,
+                            "logprobs": lps(d),
+                            "finish_reason": d.finish_reason,
                         }
-                        yield body([first], None)
-                    if d.text or d.finish_reason or (k is not None and d.token_ids):
-                        delta = {"content": d.text} if d.text else {}
-                        yield body(
-                            [
-                                {
-                                    "index": d.index,
-                                    "delta": delta,
-                                    "logprobs": lps(d),
-                                    "finish_reason": d.finish_reason,
-                                }
-                            ],
-                            None,
-                        )
+                    ]
 
-            return sse_response(gen, chunks, self._usage_chunk(req.include_usage, body))
-        finals = await collect(raw, gen)
-        choices = [
-            {
-                "index": d.index,
-                "message": {"role": "assistant", "content": d.text},
-                "logprobs": lps(d),
-                "finish_reason": d.finish_reason,
-            }
-            for d in deltas.deltas(finals[0])
-        ]
-        return JSONResponse(body(choices, usage_of(finals), "chat.completion"))
+        def final_choices(finals: list[RequestOutput]) -> Choices:
+            return [
+                {
+                    "index": d.index,
+                    "message": {"role": "assistant", "content": d.text},
+                    "logprobs": lps(d),
+                    "finish_reason": d.finish_reason,
+                }
+                for d in s.deltas.deltas(finals[0])
+            ]
+
+        objects = ("chat.completion.chunk", "chat.completion")
+        return await self._respond(s, req, raw, objects, stream_choices, final_choices)
 
     def _chat_logprobs(self, d: Delta, k: int) -> list[dict[str, Any]]:
         content = []
@@ -212,14 +265,3 @@ class Serving:
                 )
             )
         return [p.dump(c) for c in content]
-
-    # -------------------------------------------------------------- helpers
-    @staticmethod
-    def _usage_chunk(
-        include: bool, body: Callable[..., dict[str, Any]]
-    ) -> Callable[[list[RequestOutput]], Iterable[dict[str, Any]]]:
-        def last(finals: list[RequestOutput]) -> Iterable[dict[str, Any]]:
-            if include:
-                yield body([], usage_of(finals))
-
-        return last

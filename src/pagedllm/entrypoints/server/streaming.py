@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,16 +29,19 @@ from pagedllm.errors import EngineOverloadedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 RETRY_AFTER_S = 1
+logger = logging.getLogger("pagedllm")
 
 
 @dataclass
 class Generation:
     """The engine requests of one HTTP request: one stream for all, a metrics tracker
-    for each, and each one's position among the request's prompts."""
+    for each, each one's position among the request's prompts, and the id the logs give
+    the HTTP request."""
 
     stream: RequestStream
     trackers: dict[str, RequestTracker]
     positions: dict[str, int]
+    client_id: str = "-"
 
     def on_output(self, out: RequestOutput) -> int:
         """Record the output; the position of its prompt."""
@@ -58,9 +62,11 @@ async def submit(
     prompts: Sequence[list[int]],
     params: SamplingParams,
     arrival: float,
+    client_id: str = "-",
 ) -> Generation:
-    """Queue one engine request per prompt, all or none. InvalidParameterError (a bad
-    request) passes through for the caller to map to its fields."""
+    """Queue one engine request per prompt, all or none, for the HTTP request the logs
+    call `client_id`. InvalidParameterError (a bad request) passes through for the caller
+    to map to its fields."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
         stream = await engine.add_requests(
@@ -74,10 +80,14 @@ async def submit(
         stream,
         {rid: metrics.tracker(arrival) for rid in ids},
         {rid: i for i, rid in enumerate(ids)},
+        client_id,
     )
 
 
-def failure(exc: RequestFailedError) -> APIError:
+def failure(gen: Generation, exc: RequestFailedError) -> APIError:
+    """The 500 of a request the engine failed, after aborting the rest of it."""
+    gen.end("error")
+    logger.warning("request %s failed in the engine: %s", gen.client_id, exc)
     return APIError(500, str(exc), code="engine_error", type="server_error")
 
 
@@ -110,8 +120,7 @@ async def collect(request: Request, gen: Generation) -> list[RequestOutput]:
     try:
         return task.result()
     except RequestFailedError as exc:
-        gen.end("error")
-        raise failure(exc) from None
+        raise failure(gen, exc) from None
 
 
 class _SSEResponse(StreamingResponse):
@@ -152,8 +161,7 @@ def sse_response(
             for chunk in last_chunks([finals[i] for i in sorted(finals)]):
                 yield f"data: {json.dumps(chunk)}\n\n"
         except RequestFailedError as exc:
-            gen.end("error")
-            yield f"data: {json.dumps(failure(exc).body())}\n\n"
+            yield f"data: {json.dumps(failure(gen, exc).body())}\n\n"
         state["ended"] = True
         yield "data: [DONE]\n\n"
 

@@ -7,6 +7,19 @@
   const CONFIG = JSON.parse(document.getElementById("kv-config").textContent);
   const NOISY = new Set(["append", "cache", "text"]);
   const $ = (id) => document.getElementById(id);
+  // Every node is built with textContent, never innerHTML: request ids, token text and
+  // a replay file's figures are data, and data must never become markup.
+  function el(tag, className, text) {
+    const node = document.createElement(tag);
+    if (className) node.className = className;
+    if (text !== undefined) node.textContent = String(text);
+    return node;
+  }
+  function swatch(color) {
+    const i = el("i");
+    i.style.background = color;
+    return i;
+  }
 
   // ------------------------------------------------------------------ the pool
   class Pool {
@@ -328,7 +341,7 @@
       ctx.fillText(sel === null ? "no request selected" : `request ${short(sel)} holds no blocks now`, 8, 30);
       document.body.dataset.tableArrows = "0";
       $("tableinfo").textContent = sel === null ? "click a block or a request" : short(sel);
-      $("seqtext").innerHTML = "";
+      $("seqtext").replaceChildren();
       return;
     }
     const left = 78;
@@ -414,11 +427,8 @@
   function drawSeqText(seqs) {
     const pool = view.pool;
     const box = $("seqtext");
-    if (!pool.text.size) {
-      box.innerHTML = "";
-      return;
-    }
-    box.innerHTML = "";
+    box.replaceChildren();
+    if (!pool.text.size) return;
     for (const [id, s] of seqs) {
       const row = document.createElement("div");
       row.className = "row";
@@ -479,11 +489,16 @@
     const legend = SERIES.map(([name, color, get, kind]) => {
       const last = at >= 0 ? get(pts[at]) : 0;
       const v = kind === "pct" ? (100 * last).toFixed(1) + "%" : String(last);
-      return `<span><i style="background:${color}"></i>${name} ${v}</span>`;
+      return [color, `${name} ${v}`];
     });
-    const pre = at >= 0 ? pts[at][5] : 0;
-    legend.push(`<span><i style="background:#ff7b72"></i>preemptions ${pre}</span>`);
-    $("chartlegend").innerHTML = legend.join("");
+    legend.push(["#ff7b72", `preemptions ${at >= 0 ? pts[at][5] : 0}`]);
+    $("chartlegend").replaceChildren(
+      ...legend.map(([color, text]) => {
+        const span = el("span");
+        span.append(swatch(color), text);
+        return span;
+      }),
+    );
     if (pts.length < 2) return;
     const s0 = pts[0][0];
     const span = Math.max(1, pts[pts.length - 1][0] - s0);
@@ -552,16 +567,11 @@
     for (let i = view.log.length - 1; i >= 0 && rows.length < 250; i--) {
       const [step, e] = view.log[i];
       if (!noisy && NOISY.has(e.k)) continue;
-      rows.push(
-        `<div class="ev"><span class="s">${step}</span><span class="k k-${e.k}">${e.k}</span>` +
-          `<span class="t">${escapeHtml(describe(e))}</span></div>`,
-      );
+      const row = el("div", "ev");
+      row.append(el("span", "s", step), el("span", `k k-${e.k}`, e.k), el("span", "t", describe(e)));
+      rows.push(row);
     }
-    $("log").innerHTML = rows.join("");
-  }
-
-  function escapeHtml(s) {
-    return s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+    $("log").replaceChildren(...rows);
   }
 
   function drawRequests() {
@@ -573,20 +583,22 @@
       const best = reqs.slice().sort((a, b) => b.seqs.length - a.seqs.length || b.blocks.size - a.blocks.size)[0];
       view.selected = best ? best.id : null;
     }
-    const rows = [
-      `<div class="req reqhead"><span></span><span>request</span><span class="n">seqs</span>` +
-        `<span class="n">blocks</span><span class="n">tokens</span></div>`,
-    ];
+    const head = el("div", "req reqhead");
+    head.append(el("span"), el("span", "", "request"), el("span", "n", "seqs"));
+    head.append(el("span", "n", "blocks"), el("span", "n", "tokens"));
+    const rows = [head];
     for (const r of reqs.slice(0, 300)) {
-      rows.push(
-        `<div class="req${r.id === view.selected ? " sel" : ""}" data-req="${escapeHtml(r.id)}">` +
-          `<span class="dot" style="background:${col(r.id, 58)}"></span>` +
-          `<span class="id" title="${escapeHtml(r.id)}">${escapeHtml(short(r.id))}</span>` +
-          `<span class="n">${r.seqs.length}</span><span class="n">${r.blocks.size}</span>` +
-          `<span class="n">${r.tokens}</span></div>`,
-      );
+      const row = el("div", r.id === view.selected ? "req sel" : "req");
+      row.dataset.req = r.id;
+      const dot = el("span", "dot");
+      dot.style.background = col(r.id, 58);
+      const id = el("span", "id", short(r.id));
+      id.title = r.id;
+      row.append(dot, id, el("span", "n", r.seqs.length), el("span", "n", r.blocks.size));
+      row.append(el("span", "n", r.tokens));
+      rows.push(row);
     }
-    $("reqlist").innerHTML = rows.join("");
+    $("reqlist").replaceChildren(...rows);
     const st = view.st || {};
     $("reqinfo").textContent = `${reqs.length} holding blocks · ${st.wait || 0} waiting`;
   }
@@ -607,7 +619,13 @@
       [st.wait, "waiting"],
       [st.pre, "preemptions"],
     ];
-    $("stats").innerHTML = items.map(([v, k]) => `<div class="stat"><b>${v}</b><span>${k}</span></div>`).join("");
+    $("stats").replaceChildren(
+      ...items.map(([v, k]) => {
+        const stat = el("div", "stat");
+        stat.append(el("b", "", v), el("span", "", k));
+        return stat;
+      }),
+    );
     document.body.dataset.step = String(view.step);
   }
 
