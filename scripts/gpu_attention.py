@@ -51,14 +51,11 @@ def case(
         BLOCK,
         device="cuda",
         dtype=dtype,
-        # What the backend reads from the metadata, as the model runner asks for it.
-        with_groups=attn.needs_groups,
-        query_tile=attn.query_tile,
     )
     q = torch.randn(batch, heads, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, kv_heads, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
-    return q, k, v, k_cache, v_cache, meta
+    return q, k, v, k_cache, v_cache, attn.prepare(meta)  # the backend's plan of the step
 
 
 def main() -> None:
@@ -70,22 +67,28 @@ def main() -> None:
         for dtype in (torch.float16, torch.bfloat16):
             for batch, ctx in ((1, 32768), (16, 8192), (64, 4096), (256, 2048)):
                 attn = TritonPagedAttention(heads, kvh, d, d**-0.5, torch.device("cuda"))
-                q, k, v, kc, vc, meta = case(attn, heads, kvh, d, batch, ctx, dtype)
-                out = attn(q, k, v, kc, vc, meta)
+                q, k, v, kc, vc, plan = case(attn, heads, kvh, d, batch, ctx, dtype)
+                out = attn(q, k, v, kc, vc, plan)
                 ref_meta = build_attention_metadata(
                     [ctx - 1] * batch,
                     [1] * batch,
-                    meta.block_tables.tolist(),
+                    plan.meta.block_tables.tolist(),
                     range(batch),
                     BLOCK,
                     device="cuda",
                     dtype=torch.float32,
                 )
-                ref = ReferenceAttention(heads, kvh, d, d**-0.5)(
-                    q.float(), k.float(), v.float(), kc.float(), vc.float(), ref_meta
+                reference = ReferenceAttention(d**-0.5)
+                ref = reference(
+                    q.float(),
+                    k.float(),
+                    v.float(),
+                    kc.float(),
+                    vc.float(),
+                    reference.prepare(ref_meta),
                 )
                 err = ((out.float() - ref).norm() / ref.norm()).item()
-                call = functools.partial(attn, q, k, v, kc, vc, meta)
+                call = functools.partial(attn, q, k, v, kc, vc, plan)
                 ms = triton.testing.do_bench(call, return_mode="median")
                 moved = 2 * batch * ctx * kvh * d * kc.element_size()
                 gbs = moved / ms / 1e6

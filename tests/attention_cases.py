@@ -40,10 +40,8 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     cache_dtype: torch.dtype | None = None,
     device: str = "cpu",
-    query_tile: int | None = None,
 ) -> Case:
-    """shapes: (tokens already cached, new tokens) per sequence; `query_tile` adds the
-    tile map of kernels that run a program per tile of that many query tokens."""
+    """shapes: (tokens already cached, new tokens) per sequence."""
     g = torch.Generator().manual_seed(seed)
     cache_dtype = cache_dtype or dtype
     num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 3
@@ -75,7 +73,6 @@ def make_case(
         block_size=block_size,
         device=device,
         dtype=dtype,
-        query_tile=query_tile,
     )
     query = torch.randn(meta.num_tokens, heads, head_dim, generator=g)
     # In the model, V is a strided view of the fused QKV projection: so it is here.

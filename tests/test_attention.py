@@ -61,14 +61,14 @@ def test_paged_equals_dense_with_shuffled_blocks(block_size: int, shapes) -> Non
         logits_seq_indices=range(len(shapes)),
         block_size=block_size,
     )
+    reference = ReferenceAttention(DIM**-0.5)
+    plan = reference.prepare(meta)
     if shapes is LONG:
-        assert sum(grp.is_decode for grp in meta.groups) >= 3
+        assert sum(grp.is_decode for grp in plan.groups) >= 3
     q = torch.randn(meta.num_tokens, HEADS, DIM, generator=g)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
-    out = ReferenceAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)(
-        q, new_k, new_v, k_cache, v_cache, meta
-    )
+    out = reference(q, new_k, new_v, k_cache, v_cache, plan)
 
     row = 0
     for (cached, new), k, v in zip(shapes, full_k, full_v, strict=True):
@@ -93,4 +93,4 @@ def test_metadata_slots_and_logits_rows() -> None:
     assert meta.positions.tolist() == [0, 1, 2, 6]
     assert meta.logits_indices.tolist() == [2, 3]
     assert meta.context_lens.tolist() == [3, 7]
-    assert [g.is_decode for g in meta.groups] == [True, False]
+    assert [g.is_decode for g in ReferenceAttention(1.0).prepare(meta).groups] == [True, False]

@@ -5,6 +5,7 @@ float32 and half-precision KV caches. Also: the backend choice and its fallback.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -30,13 +31,12 @@ HALF = (torch.float16, torch.bfloat16)
 
 def run_both(case: Case, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
     """The reference's and the CPU kernel's outputs, and their caches after the write."""
-    d = case.query.shape[-1]
     k_ref, v_ref = case.fresh_caches()
     k_cpu, v_cpu = case.fresh_caches()
-    ref = ReferenceAttention(heads, kv_heads, d, case.scale)
-    cpu = CpuPagedAttention(case.scale, load_cpu_ops().paged_attention)
-    expected = ref(case.query, case.key, case.value, k_ref, v_ref, case.meta)
-    got = cpu(case.query, case.key, case.value, k_cpu, v_cpu, case.meta)
+    ref = ReferenceAttention(case.scale)
+    cpu = CpuPagedAttention(kv_heads, case.scale, load_cpu_ops().paged_attention)
+    expected = ref(case.query, case.key, case.value, k_ref, v_ref, ref.prepare(case.meta))
+    got = cpu(case.query, case.key, case.value, k_cpu, v_cpu, cpu.prepare(case.meta))
     return expected, got, k_ref, k_cpu, v_ref, v_cpu
 
 
@@ -88,22 +88,41 @@ def test_cpu_kernel_with_a_half_precision_model(dtype: torch.dtype) -> None:
 
 
 @needs_cpu_kernel
-def test_long_decodes_split_along_the_context_merge_exactly() -> None:
-    """Few, long decode rows: the kernel splits each context across threads."""
+@pytest.mark.parametrize("shapes", [[(3000, 1)], [(700, 1), (2000, 1), (5, 1)]])
+def test_long_decodes_split_along_the_context_merge_exactly(shapes) -> None:
+    """Few, long decode rows: the plan splits their contexts across the threads, and the
+    kernel's merge of the parts equals the reference."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        shapes = [(3000, 1)]
-        # The kernel's rule (paged_attention.cpp, run()): decode rows split when there are
-        # fewer work items (one per decode row) than twice the threads, into parts of at
-        # least 256 keys. It runs on torch's thread pool, so it sees the count set here.
-        assert len(shapes) < 2 * torch.get_num_threads()
-        assert min(c + n for c, n in shapes) // 256 >= 2
         case = make_case(shapes, heads=9, kv_heads=3, head_dim=64, block_size=16)
+        plan = CpuPagedAttention(3, case.scale, load_cpu_ops().paged_attention).prepare(case.meta)
+        assert plan.splits >= 2  # the split happened
+        assert plan.merges.shape[0] >= 1
         expected, got, *_ = run_both(case, 9, 3)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_cpu_plan_covers_every_query_row_and_key_once() -> None:
+    """Each (sequence, KV head, query row) is in exactly one item or split, and a split
+    row's parts tile its context without gaps or overlaps."""
+    shapes = [(3000, 1), (0, 40), (17, 1), (100, 33)]
+    case = make_case(shapes, heads=4, kv_heads=2, head_dim=64, block_size=16)
+    plan = CpuPagedAttention(2, case.scale, lambda *_: None).prepare(case.meta)
+    seen: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for seq, g0, g1, row0, rows, k0, k1, _ in plan.items.tolist():
+        for g in range(g0, g1):
+            for r in range(row0, row0 + rows):
+                seen.setdefault((seq, g, r), []).append((k0, k1))
+    expected = {(s, g, r) for s, (_, n) in enumerate(shapes) for g in range(2) for r in range(n)}
+    assert set(seen) == expected
+    for (seq, _, _), ranges in seen.items():
+        ranges.sort()
+        context = sum(shapes[seq])
+        assert ranges[0][0] == 0 and ranges[-1][1] == context
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
 @needs_cpu_kernel

@@ -4,11 +4,17 @@ projection) and SiLU-and-multiply; and a model on them gives the reference's tok
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import cpu
 from pagedllm.kernels.cpu import load_cpu_ops, missing_cpu_features
+from pagedllm.kernels.policy import GEMV_MAX_ROWS
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layer_ops import CompiledLayerOps, TorchLayerOps
 from pagedllm.model.rotary import RotaryEmbedding
@@ -32,6 +38,31 @@ def test_norms_equal_the_reference(rows: int, size: int) -> None:
     out_b = TORCH.add_rms_norm(x, res_b, w, 1e-5)
     torch.testing.assert_close(out_a, out_b)
     assert torch.equal(res_a, res_b) and torch.equal(res_a, res + x)
+
+
+@pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
+def test_the_matrix_vector_kernel_equals_torch_for_each_row_count(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 200, generator=g), torch.randn(52, 200, generator=g), None
+    for bias in (None, torch.randn(52, generator=g)):
+        got = load_cpu_ops().dense_linear(x, w, bias)
+        torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match=f"1 to {GEMV_MAX_ROWS} rows"):
+        load_cpu_ops().dense_linear(torch.randn(GEMV_MAX_ROWS + 1, 200), w, b)
+
+
+def test_the_build_key_covers_headers_and_the_policy(monkeypatch, tmp_path: Path) -> None:
+    """A change to a header or to a rule the build bakes in builds anew."""
+    shutil.copytree(cpu.CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(cpu, "CSRC", tmp_path / "csrc")
+    first = cpu.build_directory()
+    header = tmp_path / "csrc" / "row_dispatch.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    second = cpu.build_directory()
+    assert second != first
+    flags = [f for f in cpu.FLAGS if not f.startswith("-DPAGEDLLM_GEMV_MAX_ROWS=")]
+    monkeypatch.setattr(cpu, "FLAGS", [*flags, "-DPAGEDLLM_GEMV_MAX_ROWS=4"])
+    assert cpu.build_directory() not in (first, second)
 
 
 def test_rotary_and_silu_equal_the_reference() -> None:

@@ -1,7 +1,8 @@
 """The house layering, read from the source with `ast`: bookkeeping (kv/, core/), the
 engine loop (engine/) and the runner interface are plain Python without torch, in their
 imports and in their type annotations; model/ never reaches into scheduling, blocks or the
-engine; no two modules import each other, even lazily."""
+engine; each package imports only the packages below it (ALLOWED), lazily or not, so
+that layers point one way; no two modules import each other, even lazily."""
 
 from __future__ import annotations
 
@@ -12,7 +13,43 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pagedllm"
 HEAVY = {"torch", "numpy", "np", "transformers", "Tensor"}
-TORCH_FREE = ["kv", "core", "engine", "worker/runner.py", "worker/fake_runner.py", "errors.py"]
+TORCH_FREE = [
+    "kv",
+    "core",
+    "engine",
+    "worker/runner.py",
+    "worker/fake_runner.py",
+    "worker/options.py",
+    "kernels/policy.py",
+    "errors.py",
+]
+EVERYTHING = "*"
+# What each part of the package may import from the others (module prefixes): lower
+# layers never import higher ones. The worker speaks with the scheduler in its plain-data
+# output alone, and gets its own options (worker/options.py), not the engine's config.
+ALLOWED: dict[str, set[str] | str] = {
+    "errors": set(),
+    "sampling_params": {"errors"},
+    "kv": {"errors"},
+    "core": {"kv", "errors", "sampling_params"},
+    "kernels": {"errors"},
+    "attention": {"kernels", "errors"},
+    "model": {"attention", "kernels", "errors"},
+    "loader": {"model", "errors"},
+    "worker": {
+        "core.scheduler",
+        "attention",
+        "model",
+        "kernels",
+        "loader",
+        "errors",
+        "sampling_params",
+    },
+    "engine": {"core", "kv", "worker", "loader", "errors", "sampling_params"},
+    "entrypoints": EVERYTHING,
+    "bench": EVERYTHING,
+    "__init__": EVERYTHING,
+}
 
 
 def files_of(part: str) -> list[Path]:
@@ -61,6 +98,39 @@ def test_model_does_not_import_scheduling(package: str) -> None:
     for path in files_of(package):
         bad = {n for n in imports_in(path) if n.startswith(banned)}
         assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+
+
+def part_of(path: Path) -> str:
+    return path.relative_to(SRC).parts[0].removesuffix(".py")
+
+
+def test_every_part_has_a_row_in_the_table() -> None:
+    assert {part_of(p) for p in SRC.rglob("*.py")} == set(ALLOWED)
+
+
+@pytest.mark.parametrize("part", sorted(k for k, v in ALLOWED.items() if v != EVERYTHING))
+def test_imports_point_down(part: str) -> None:
+    allowed = ALLOWED[part]
+    for path in SRC.rglob("*.py"):
+        if part_of(path) != part:
+            continue
+        tree = ast.parse(path.read_text())
+        relative = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+        assert not relative, f"{path.relative_to(SRC)}: relative imports hide their layer"
+        for name in imports_in(path):
+            if not name.startswith("pagedllm.") or name.split(".")[1] == part:
+                continue
+            inner = name.removeprefix("pagedllm.")
+            ok = any(inner == a or inner.startswith(a + ".") for a in allowed)
+            assert ok, f"{path.relative_to(SRC)} imports {name}: {part} may import {allowed}"
+
+
+def test_the_worker_takes_only_plain_data_from_the_scheduler() -> None:
+    for path in files_of("worker"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pagedllm.core"):
+                names = {a.name for a in node.names}
+                assert names == {"SchedulerOutput"}, f"{path.relative_to(SRC)} imports {names}"
 
 
 def test_no_import_cycles_between_modules() -> None:

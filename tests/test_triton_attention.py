@@ -26,7 +26,7 @@ from attention_cases import make_case
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import triton_backend
 from pagedllm.attention.reference import ReferenceAttention
-from pagedllm.attention.triton_backend import QUERY_TILE, TritonPagedAttention
+from pagedllm.attention.triton_backend import TritonPagedAttention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,14 +42,13 @@ def compare(shapes, heads, kv_heads, head_dim, block_size, seed, cache_dtype, dt
         dtype=dtype,
         cache_dtype=cache_dtype,
         device=DEVICE,
-        query_tile=QUERY_TILE,
     )
     k_ref, v_ref = case.fresh_caches()
     k_tri, v_tri = case.fresh_caches()
-    ref = ReferenceAttention(heads, kv_heads, head_dim, case.scale)
+    ref = ReferenceAttention(case.scale)
     tri = TritonPagedAttention(heads, kv_heads, head_dim, case.scale, torch.device(DEVICE))
-    expected = ref(case.query, case.key, case.value, k_ref, v_ref, case.meta)
-    got = tri(case.query, case.key, case.value, k_tri, v_tri, case.meta)
+    expected = ref(case.query, case.key, case.value, k_ref, v_ref, ref.prepare(case.meta))
+    got = tri(case.query, case.key, case.value, k_tri, v_tri, tri.prepare(case.meta))
     assert not got.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)

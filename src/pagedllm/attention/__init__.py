@@ -1,10 +1,11 @@
 """Attention over a paged KV cache: the per-step metadata and the backends.
 
 `reference.py` is the pure-torch oracle (and the CPU path); any faster backend must
-match it.
+match it. Each backend builds its own per-step plan from the common metadata
+(`backend.prepare(meta)`), which every layer's call reads.
 """
 
-from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, build_attention_metadata
+from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata
 from pagedllm.attention.reference import ReferenceAttention
 
-__all__ = ["AttentionGroup", "AttentionMetadata", "ReferenceAttention", "build_attention_metadata"]
+__all__ = ["AttentionMetadata", "ReferenceAttention", "build_attention_metadata"]

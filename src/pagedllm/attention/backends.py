@@ -10,7 +10,7 @@ option.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -23,9 +23,13 @@ logger = logging.getLogger("pagedllm")
 
 
 class AttentionBackend(Protocol):
+    """`prepare` builds, once per step, the backend's own plan from the common metadata
+    (its work list, tiles or padded groups: whatever it alone needs); every layer's call
+    then reads that plan. A plan is opaque to everything but its backend."""
+
     name: str
-    needs_groups: bool  # whether it reads the reference's padded groups in the metadata
-    query_tile: int | None  # the query tile of its programs, if it wants a tile map
+
+    def prepare(self, meta: AttentionMetadata) -> Any: ...
 
     def __call__(
         self,
@@ -34,7 +38,7 @@ class AttentionBackend(Protocol):
         value: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        plan: Any,
     ) -> torch.Tensor: ...
 
 
@@ -48,7 +52,7 @@ def _cpu(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> Atte
     if head_dim % 8:
         raise ValueError(f"it needs head_dim to be a multiple of 8 (this model's is {head_dim})")
     ops = load_cpu_ops()
-    return CpuPagedAttention(head_dim**-0.5, ops.paged_attention)
+    return CpuPagedAttention(kv_heads, head_dim**-0.5, ops.paged_attention)
 
 
 def _triton(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> AttentionBackend:
@@ -65,7 +69,7 @@ def select_attention(
     name: str, heads: int, kv_heads: int, head_dim: int, device: torch.device
 ) -> AttentionBackend:
     """The backend `name` (auto, reference, cpu or triton) for this model and device."""
-    reference = ReferenceAttention(heads, kv_heads, head_dim, head_dim**-0.5)
+    reference = ReferenceAttention(head_dim**-0.5)
     if name == "reference":
         return reference
     builders = {"cpu": _cpu, "triton": _triton}

@@ -2,7 +2,8 @@
 
 Same interface as the reference backend: write the step's new K/V into their slots,
 then one kernel call attends the whole flat batch (decode and chunked-prefill rows) by
-reading K/V through the block tables, with no gather into a contiguous copy.
+reading K/V through the block tables, with no gather into a contiguous copy. The work
+list the kernel follows is built once per step (`prepare`, cpu_plan.py).
 """
 
 from __future__ import annotations
@@ -11,19 +12,24 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.attention.cpu_plan import CpuPlan, plan_work
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import write_kv
 
 
 class CpuPagedAttention:
     name = "cpu"
-    needs_groups = False
-    query_tile: int | None = None
 
-    def __init__(self, scale: float, op: Callable[..., None]) -> None:
-        # Head counts and size are not kept: the kernel reads them from the tensors' shapes.
+    def __init__(self, num_kv_heads: int, scale: float, op: Callable[..., None]) -> None:
+        # The kernel reads the head counts and size from the tensors' shapes; the plan
+        # needs the KV heads to give each its own prefill items.
+        self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.op = op
+
+    def prepare(self, meta: AttentionMetadata) -> CpuPlan:
+        """The step's work list, for the threads of torch's pool (the kernel's)."""
+        return plan_work(meta, self.num_kv_heads, torch.get_num_threads())
 
     def __call__(
         self,
@@ -32,8 +38,9 @@ class CpuPagedAttention:
         value: torch.Tensor,
         k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        plan: CpuPlan,
     ) -> torch.Tensor:
+        meta = plan.meta
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         q = query.float()  # the kernel computes in fp32 whatever the model dtype
         # It takes any row and head strides but rejects a head vector that is not
@@ -49,6 +56,8 @@ class CpuPagedAttention:
             meta.block_tables,
             meta.query_start_loc,
             meta.context_lens,
+            plan.items,
+            plan.merges,
             self.scale,
         )
         return out.to(query.dtype)

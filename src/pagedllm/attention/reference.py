@@ -1,8 +1,9 @@
 """The reference paged-attention backend, in pure torch.
 
-It writes the step's new K/V into their slots, then for each group of sequences gathers
-their context through the block tables and runs one batched scaled-dot-product attention:
-causal over the new tokens, full over the cached ones. This is the oracle every faster
+It writes the step's new K/V into their slots, then for each group of sequences (its
+per-step plan, reference_plan.py) gathers their context through the block tables and runs
+one batched scaled-dot-product attention: causal over the new tokens, full over the
+cached ones. This is the oracle every faster
 backend is tested against, and the CPU path.
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.reference_plan import AttentionGroup, ReferencePlan, plan_groups
 
 
 def write_kv(
@@ -51,13 +53,9 @@ class ReferenceAttention:
     """Paged attention with torch ops only; `cache` tensors are [blocks, block_size, kvh, d]."""
 
     name = "reference"
-    needs_groups = True
-    query_tile: int | None = None
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+    def __init__(self, scale: float) -> None:
+        # Head counts and size are not kept: the tensors' shapes carry them.
         self.scale = scale
         # Gather buffers reused by every layer and step: a fresh tensor of this size per
         # call costs page faults that took longer than the copy itself (about 7x on a CPU).
@@ -71,6 +69,10 @@ class ReferenceAttention:
             ws = self._workspace = torch.empty(2 * n, dtype=cache.dtype, device=cache.device)
         return ws[:n], ws[n : 2 * n]
 
+    def prepare(self, meta: AttentionMetadata) -> ReferencePlan:
+        """The step's padded groups, built once for every layer."""
+        return plan_groups(meta)
+
     def __call__(
         self,
         query: torch.Tensor,  # [T, heads, head_dim]
@@ -78,11 +80,11 @@ class ReferenceAttention:
         value: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        plan: ReferencePlan,
     ) -> torch.Tensor:
-        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
         out = torch.empty_like(query)
-        for group in meta.groups:  # a few: decodes by context length, and prompt chunks
+        for group in plan.groups:  # a few: decodes by context length, and prompt chunks
             self._attend(query, k_cache, v_cache, group, out)
         return out
 

@@ -21,12 +21,13 @@ from pagedllm.attention.backends import AttentionBackend, select_attention
 from pagedllm.bench import options
 from pagedllm.bench.baselines import load_hf_model
 from pagedllm.bench.output import Plot, median_seconds, ratio, write_outputs
-from pagedllm.bench.sweep import wrap_attention
+from pagedllm.bench.sweep import attention_seconds, engine_over_runner
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.engine_args import engine_options
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.factory import RealRunner
 
 ATTENTION_COLUMNS = "phase=phase|batch=batch|context=context|paged_ms=paged ms|contiguous_ms="
 ATTENTION_COLUMNS += "contiguous ms|overhead=paged / contiguous|max_abs_diff=max abs diff"
@@ -97,10 +98,10 @@ def measure(
     k_cache.view(-1, kvh, d)[slots] = tokens(k, 0, cached).to(kv_dtype)
     v_cache.view(-1, kvh, d)[slots] = tokens(v, 0, cached).to(kv_dtype)
     starts, lens, table_rows = [cached] * batch, [q_len] * batch, tables.tolist()
-    needs = {"with_groups": paged.needs_groups, "query_tile": paged.query_tile}
-    meta = build_attention_metadata(starts, lens, table_rows, list(range(batch)), bs, **on, **needs)
+    meta = build_attention_metadata(starts, lens, table_rows, list(range(batch)), bs, **on)
     new = tokens(q, 0, q_len), tokens(k, cached, context), tokens(v, cached, context)
-    paged_s, paged_out = median_seconds(lambda: paged(*new, k_cache, v_cache, meta), args.repeats)
+    plan = paged.prepare(meta)  # once per step in the model, for every layer: not timed here
+    paged_s, paged_out = median_seconds(lambda: paged(*new, k_cache, v_cache, plan), args.repeats)
     k_dense, v_dense, sdpa = k.clone(), v.clone(), {"is_causal": prefill, "enable_gqa": True}
 
     def contiguous() -> torch.Tensor:  # the new tokens written by a slice, then SDPA
@@ -150,14 +151,16 @@ def attention(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_for(
-    args: argparse.Namespace, batch: int, **overrides: Any
-) -> tuple[LLMEngine, LoadedModel]:
+    args: argparse.Namespace, batch: int, profile_attention: bool = False, **overrides: Any
+) -> tuple[LLMEngine, RealRunner, LoadedModel]:
     """An engine over the real model with the command line's options (then `overrides`),
-    running at least `batch` sequences per step (the batch the bench measures)."""
+    running at least `batch` sequences per step (the batch the bench measures), and the
+    runner it runs on (`profile_attention`: timing its attention)."""
     loaded = options.get_loaded(args.model)
     opts = engine_options(args) | overrides
     opts["max_num_seqs"] = max(opts["max_num_seqs"], batch)
-    return LLMEngine(EngineConfig(**opts), loaded), loaded
+    engine, runner = engine_over_runner(EngineConfig(**opts), loaded, profile_attention)
+    return engine, runner, loaded
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -166,24 +169,21 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[
     return torch.randint(100, vocab_size, (count, length), generator=gen).tolist()
 
 
-def comm_seconds(engine: LLMEngine) -> float:
-    """Seconds the runner has spent in collectives (tensor parallelism), else 0."""
-    return float(getattr(engine.runner, "comm_seconds", 0.0))
-
-
-def decode_step_seconds(engine: LLMEngine, attn: list[float], prompts: list, steps: int) -> tuple:
-    """Median seconds of a decode step, and mean seconds of it in attention (`attn`) and
-    in collectives."""
+def decode_step_seconds(
+    engine: LLMEngine, runner: RealRunner, prompts: list, steps: int
+) -> tuple[float, float, float]:
+    """Median seconds of a decode step, and mean seconds of it in attention (`runner`
+    times it) and in collectives."""
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", p, params)
     started: set[str] = set()
     while len(started) < len(prompts):  # prefill (maybe in chunks) until all are decoding
         started.update(out.request_id for out in engine.step())
-    before = attn[0], comm_seconds(engine)
+    before = attention_seconds(runner), runner.comm_seconds
     seconds, _ = median_seconds(engine.step, steps)
-    in_attention = (attn[0] - before[0]) / (steps + 1)  # median_seconds warms up once
-    in_comm = (comm_seconds(engine) - before[1]) / (steps + 1)
+    in_attention = (attention_seconds(runner) - before[0]) / (steps + 1)  # one warm-up call
+    in_comm = (runner.comm_seconds - before[1]) / (steps + 1)
     while engine.has_unfinished_requests():
         engine.step()
     return seconds, in_attention, in_comm
@@ -216,11 +216,10 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     }
     rows = []
     for tp in args.tensor_parallel_size:  # one engine (and its workers) at a time
-        engine, _ = engine_for(args, max(batches), tensor_parallel_size=tp)
-        attention = wrap_attention(engine)
+        engine, runner, _ = engine_for(args, max(batches), True, tensor_parallel_size=tp)
         for batch in batches:
             ours, in_attention, in_comm = decode_step_seconds(
-                engine, attention, prompts[batch], args.steps
+                engine, runner, prompts[batch], args.steps
             )
             row = {"tp": tp, "batch": batch, "pagedllm_ms": round(ours * 1000, 1)}
             row["pagedllm_tok_s"] = round(batch / ours, 1)
@@ -231,7 +230,7 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
                 row |= {"hf_ms": round(theirs * 1000, 1), "hf_tok_s": round(batch / theirs, 1)}
                 row["speedup"] = ratio(theirs, ours)
             rows.append(row)
-        backend = engine.runner.attention.name
+        backend = runner.attention.name
         engine.shutdown()
     config = dict(prompt_len=args.prompt_len, steps=args.steps, threads=torch.get_num_threads())
     config |= {"attention_backend": backend}
@@ -274,7 +273,7 @@ def blocks_saved(engine: LLMEngine, prompts: list[list[int]], params: Any) -> di
 
 
 def sharing(args: argparse.Namespace) -> dict[str, Any]:
-    engine, loaded = engine_for(args, max(args.widths) * args.num_prompts)
+    engine, _, loaded = engine_for(args, max(args.widths) * args.num_prompts)
     size = (loaded.config.vocab_size, args.num_prompts, args.prompt_len)
     prompts = random_prompts(*size, args.seed)
     length = {"max_tokens": args.max_tokens, "ignore_eos": True}  # every sample runs to the end

@@ -4,7 +4,10 @@ exact default (float32 weights and KV cache).
 On a text that ships with pagedllm (bench/data/quality_text.txt, about 3,000 tokens of
 plain English prose written for this purpose) it measures each configuration's perplexity
 and the largest logit difference from the baseline; on a set of 32 chat prompts, greedy
-agreement: the share of prompts whose first 32 generated tokens are identical.
+agreement: the share of prompts whose first 32 generated tokens are identical. Each
+configuration's runner is built here, from the loaded model and the configuration's
+runner options: the logits come from its public `logits_of`, the greedy tokens from an
+engine over that same runner.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import torch
 from pagedllm.bench import options
 from pagedllm.bench.output import write_outputs
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.prompts import encode_chat
 from pagedllm.entrypoints.engine_args import engine_options
-from pagedllm.entrypoints.llm import LLM
+from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.factory import build_runner
+from pagedllm.worker.options import RunnerOptions
 
 DATA = Path(__file__).with_name("data")
 COLUMNS = "|".join(
@@ -53,15 +59,32 @@ def perplexity(logits: torch.Tensor, text_ids: list[int]) -> float:
     return math.exp(-logprobs.gather(1, torch.tensor(text_ids[1:])[:, None]).mean().item())
 
 
-def measure(llm: LLM, text_ids: list[int], prompts: list[list[int]], tokens: int) -> dict:
-    logits = llm.engine.runner.logits_of(text_ids)  # type: ignore[attr-defined]
+def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """The first `tokens` greedy tokens of each prompt (EOS allowed), in order."""
     params = SamplingParams(temperature=0, max_tokens=tokens)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return {
-        "logits": logits,
-        "ppl": perplexity(logits, text_ids),
-        "greedy": [o.outputs[0].token_ids for o in outs],
-    }
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    return [list(done[str(i)]) for i in range(len(prompts))]
+
+
+def measure(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    text_ids: list[int],
+    prompts: list[list[int]],
+    tokens: int,
+) -> dict:
+    runner, tokenizer = build_runner(RunnerOptions.of(config), config.model, loaded)
+    try:
+        logits = runner.logits_of(text_ids)
+        engine = LLMEngine(config, runner=runner, tokenizer=tokenizer)
+        greedy = greedy_tokens(engine, prompts, tokens)
+    finally:
+        runner.shutdown()
+    return {"logits": logits, "ppl": perplexity(logits, text_ids), "greedy": greedy}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,9 +97,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     baseline = {**variant, "dtype": "float32", "kv_cache_dtype": "float32", "quantization": None}
     rows, first = [], None
     for name, opts in (("baseline (float32)", baseline), ("variant", variant)):
-        EngineConfig(**opts)  # checks the options before the model is built
-        llm = LLM(loaded=loaded, **opts)
-        got = measure(llm, text_ids, prompts, args.tokens)
+        engine_config = EngineConfig(**opts)  # checks the options before the model is built
+        got = measure(engine_config, loaded, text_ids, prompts, args.tokens)
         first = first or got
         diff = (got["logits"] - first["logits"]).abs()
         pairs = list(zip(got["greedy"], first["greedy"], strict=True))
@@ -96,7 +118,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "kv_bytes_per_token": kv_bytes,
             }
         )
-        del llm
     config = {"text_tokens": len(text_ids), "prompts": len(prompts), "tokens": args.tokens}
     notes = [
         "perplexity over the shipped text (teacher forcing, chunks of 512 tokens through the "

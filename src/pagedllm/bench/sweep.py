@@ -22,7 +22,9 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.factory import RealRunner, build_runner
 from pagedllm.worker.fake_runner import FakeModelRunner
+from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelSpec
 
 SLOT_KINDS = ("tokens", "reserved", "wasted")
@@ -117,29 +119,35 @@ def run_workload(
     return SweepRun(row, timeline, latency)
 
 
-def build_engine(loaded: LoadedModel, options: dict[str, Any], fake: bool = False) -> LLMEngine:
+def engine_over_runner(
+    config: EngineConfig, loaded: LoadedModel, profile_attention: bool = False
+) -> tuple[LLMEngine, RealRunner]:
+    """An engine over a runner built here, so that the bench holds the runner it measures
+    (`profile_attention`: the runner adds up its seconds in attention)."""
+    options = RunnerOptions.of(config)
+    runner, tokenizer = build_runner(
+        options, config.model, loaded, profile_attention=profile_attention
+    )
+    return LLMEngine(config, runner=runner, tokenizer=tokenizer), runner
+
+
+def build_engine(
+    loaded: LoadedModel, options: dict[str, Any], fake: bool = False, time_attention: bool = False
+) -> tuple[LLMEngine, RealRunner | None]:
+    """A fresh engine, warmed up, and its runner (None over FakeModelRunner)."""
     gc.collect()  # the previous engine's KV pool goes before this one is allocated
     if fake:
         spec = ModelSpec(loaded.config.vocab_size, loaded.config.max_position_embeddings)
-        return LLMEngine(EngineConfig(**options), runner=FakeModelRunner(spec, token=0))
-    engine = LLMEngine(EngineConfig(**options), loaded)
+        return LLMEngine(EngineConfig(**options), runner=FakeModelRunner(spec, token=0)), None
+    engine, runner = engine_over_runner(EngineConfig(**options), loaded, time_attention)
     run_workload(engine, [BenchRequest((1, 2, 3, 4), 2)])  # first-call costs stay out of timings
-    return engine
+    return engine, runner
 
 
-def wrap_attention(engine: LLMEngine) -> list[float]:
-    """Time each decoder layer's attention calls; the list's one item adds them up."""
-    total = [0.0]
-    for layer in engine.runner.model.layers:  # type: ignore[attr-defined]
-
-        def timed(*args: Any, _attention: Any = layer.attention, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = _attention(*args, **kwargs)
-            total[0] += time.perf_counter() - start
-            return out
-
-        layer.attention = timed
-    return total
+def attention_seconds(runner: RealRunner | None) -> float:
+    """The runner's seconds in attention so far (0 when it does not time them)."""
+    seconds = None if runner is None else runner.attention_seconds
+    return 0.0 if seconds is None else seconds
 
 
 def sweep(
@@ -154,12 +162,14 @@ def sweep(
     runs over FakeModelRunner with a clock in steps."""
     runs = []
     for variant in variants:
-        engine = build_engine(loaded, engine_kwargs(args, loaded, **variant), fake)
-        attention = wrap_attention(engine) if time_attention else None
+        opts = engine_kwargs(args, loaded, **variant)
+        engine, runner = build_engine(loaded, opts, fake, time_attention)
+        before = attention_seconds(runner)  # the warm-up's attention stays out
         runs.append(run := run_workload(engine, requests, "steps" if fake else "wall"))
-        del engine  # its KV pool goes before the next one is allocated
-        if attention is not None:
-            run.row["attention_ms_per_step"] = round(1000 * attention[0] / run.row["steps"], 3)
+        if time_attention and runner is not None:
+            seconds = attention_seconds(runner) - before
+            run.row["attention_ms_per_step"] = round(1000 * seconds / run.row["steps"], 3)
+        del engine, runner  # its KV pool goes before the next one is allocated
         done = f"{run.row['steps']} steps" if fake else f"{run.row['generated_tokens_per_s']} tok/s"
         print(f"  {', '.join(f'{k}={v}' for k, v in variant.items())}: {done}", flush=True)
     return runs

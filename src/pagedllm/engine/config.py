@@ -13,11 +13,8 @@ from dataclasses import dataclass
 from pagedllm.core.reservation import check_policy
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.block_table import check_block_size
+from pagedllm.worker.options import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
-DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
-QUANTIZATIONS = ("int8",)  # None: the model's own weights, exact to the reference
 _UNITS = {
     "": 1,
     "B": 1,

@@ -61,8 +61,9 @@ class LLMEngine:
         if runner is None:
             # Imported here: an engine over a fake runner never loads torch.
             from pagedllm.worker.factory import build_runner
+            from pagedllm.worker.options import RunnerOptions
 
-            runner, tokenizer = build_runner(config, loaded)
+            runner, tokenizer = build_runner(RunnerOptions.of(config), config.model, loaded)
         self.runner = runner
         self.tokenizer = tokenizer
         spec = runner.spec

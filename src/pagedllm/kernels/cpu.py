@@ -1,8 +1,9 @@
 """Building and loading the compiled CPU kernels (the C++ sources in csrc/).
 
 The sources ship inside the package and are compiled at first use with torch's extension
-tools (`-O3 -mavx2 -mfma -mf16c -fopenmp`) into one library, once per source, torch
-version and flags: it is cached under `$PAGEDLLM_CACHE_DIR` (default ~/.cache/pagedllm),
+tools (`-O3 -mavx2 -mfma -mf16c -fopenmp`, and the rules of policy.py that a template
+needs at compile time as `-D`) into one library, once per source (headers included),
+torch version and flags: it is cached under `$PAGEDLLM_CACHE_DIR` (default ~/.cache/pagedllm),
 and later processes just load it. `load_cpu_ops()` returns the `torch.ops.pagedllm_cpu`
 namespace or raises KernelUnavailableError saying why (no AVX2/FMA/F16C, no compiler, a
 failed build), so that callers can fall back to their pure-torch paths.
@@ -22,10 +23,20 @@ from typing import Any
 
 import torch
 
+from pagedllm.kernels.policy import GEMV_MAX_ROWS
+
 logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(CSRC.glob("*.cpp"))
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"]
+FLAGS = [
+    "-O3",
+    "-mavx2",
+    "-mfma",
+    "-mf16c",
+    "-fopenmp",
+    "-std=c++17",
+    f"-DPAGEDLLM_GEMV_MAX_ROWS={GEMV_MAX_ROWS}",
+]
 NAME = "pagedllm_cpu_ops"
 _lock = threading.Lock()
 _ops: Any = None

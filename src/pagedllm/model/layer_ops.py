@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels.policy import GEMV_MAX_ROWS
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -76,7 +78,8 @@ class CompiledLayerOps(TorchLayerOps):
     ) -> torch.Tensor:
         # A few rows: a matrix-vector product, bound by reading the weights; the kernel
         # spreads it over the threads. More rows: torch's blocked GEMM is faster.
-        if x.dim() == 2 and x.shape[0] <= 8 and x.shape[1] % 8 == 0 and self._fits(x):
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if 1 <= rows <= GEMV_MAX_ROWS and x.shape[1] % 8 == 0 and self._fits(x):
             return self.ops.dense_linear(x.contiguous(), weight, bias)
         return F.linear(x, weight, bias)
 

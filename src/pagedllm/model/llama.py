@@ -2,20 +2,22 @@
 flat batch of tokens from many sequences, with no padding.
 
 `forward(input_ids, positions, kv_caches, attn_metadata)` returns the final hidden
-states; `compute_logits` projects only the rows that need logits. Q/K/V and gate/up
+states; `compute_logits` projects only the rows that need logits. The attention backend
+plans the step once (`prepare`) and every layer reads that plan. Q/K/V and gate/up
 projections are fused into one matmul each. Under tensor parallelism the model is built
 from one rank's share (model/sharding.py) and a ParallelContext sums the shares.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.backends import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.model.config import ModelConfig
@@ -25,7 +27,6 @@ from pagedllm.model.parallel import ParallelContext
 from pagedllm.model.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-AttentionFn = Callable[..., torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +46,7 @@ class DecoderLayer(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
-        attention: AttentionFn,
+        attention: AttentionBackend,
         rotary: RotaryEmbedding,
         ops: TorchLayerOps,
         parallel: ParallelContext | None = None,
@@ -75,10 +76,11 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        plan: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's output and the residual stream (updated in place): the next layer
-        (or the final norm) adds the one to the other, fused with its norm."""
+        (or the final norm) adds the one to the other, fused with its norm. `plan`: the
+        attention backend's plan of this step."""
         t, ops, norm = hidden.shape[0], self.ops, self.input_layernorm
         if residual is None:  # the first layer: the embeddings are the residual stream
             residual, x = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
@@ -91,7 +93,7 @@ class DecoderLayer(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        attn = self.attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        attn = self.attention(q, k, v, kv_cache[0], kv_cache[1], plan)
         norm = self.post_attention_layernorm
         out = self._sum(self.o_proj(attn.reshape(t, -1)))
         x = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
@@ -110,22 +112,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        attention: AttentionFn | None = None,
+        attention: AttentionBackend | None = None,
         ops: TorchLayerOps | None = None,
         parallel: ParallelContext | None = None,
     ) -> None:
         """`attention` defaults to the reference backend, `ops` (the element-wise work)
         to pure torch; `parallel`, when given, is this rank's group (`config` its share)."""
         super().__init__()
+        if config.num_hidden_layers < 1:
+            raise ValueError(f"a model needs at least one layer, got {config.num_hidden_layers}")
         self.config = config
         ops = ops or TorchLayerOps()
         if attention is None:
-            attention = ReferenceAttention(
-                config.num_attention_heads,
-                config.num_key_value_heads,
-                config.head_dim,
-                scale=config.head_dim**-0.5,
-            )
+            attention = ReferenceAttention(scale=config.head_dim**-0.5)
+        self.attention = attention
         self.rotary = RotaryEmbedding(config)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -149,9 +149,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         embed = F.embedding if self.parallel is None else self.parallel.embed
         hidden, residual = embed(input_ids, self.embed_tokens), None
+        plan = self.attention.prepare(attn_metadata)  # once for every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
-        assert residual is not None, "a model has at least one layer"
+            hidden, residual = layer(hidden, residual, positions, kv_cache, plan)
+        if residual is None:  # no layer ran: __init__ refuses such a model
+            raise RuntimeError("the model ran no decoder layer")
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
 
     @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""Which model runner an engine gets from its configuration: the single-device
+"""Which model runner an engine gets from its runner options: the single-device
 TorchModelRunner, or the TensorParallelRunner for `tensor_parallel_size > 1`.
 
 Under a launcher (torchrun), the processes of ranks other than 0 never build an engine:
@@ -7,33 +7,55 @@ they serve the driver from here and exit (worker/tp_worker.py).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-from pagedllm.engine.config import EngineConfig
+import torch
+
 from pagedllm.loader import LoadedModel, load_model
 from pagedllm.worker.model_runner import TorchModelRunner
+from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelRunner
 
 
+class RealRunner(ModelRunner, Protocol):
+    """What the runners over a real model offer beyond the engine's interface: the
+    benches' measurements."""
+
+    attention: Any  # the attention backend (its `name`)
+
+    @property
+    def attention_seconds(self) -> float | None:
+        """Seconds in attention so far, when built with `profile_attention`."""
+        ...
+
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds in tensor-parallel collectives so far (0 on one device)."""
+        ...
+
+    def logits_of(self, token_ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
+        """Teacher-forced logits [len, vocab] through a private cache."""
+        ...
+
+
 def build_runner(
-    config: EngineConfig, loaded: LoadedModel | None = None
-) -> tuple[ModelRunner, Any]:
-    """The runner for `config` over `loaded` (else loaded from `config.model`), and the
-    model's tokenizer."""
-    # What every rank's TorchModelRunner computes with; the device is each rank's own.
-    options: dict[str, Any] = dict(
-        dtype=config.dtype,
-        seed=config.seed,
-        kv_cache_dtype=config.kv_cache_dtype,
-        attention_backend=config.attention_backend,
-        quantization=config.quantization,
-    )
-    if config.tensor_parallel_size > 1:
+    options: RunnerOptions,
+    model: str | None = None,
+    loaded: LoadedModel | None = None,
+    *,
+    profile_attention: bool = False,
+) -> tuple[RealRunner, Any]:
+    """The runner for `options` over `loaded` (else loaded from the path `model`; None:
+    the default model), and the model's tokenizer. `profile_attention`: the runner adds up
+    the seconds its attention takes (on the driver, under tensor parallelism)."""
+    if options.tensor_parallel_size > 1:
         from pagedllm.worker.tp_runner import TensorParallelRunner, backend_for
         from pagedllm.worker.tp_worker import serve_if_worker_rank
 
-        serve_if_worker_rank(backend_for(config.device, config.tensor_parallel_size))
-        loaded = loaded if loaded is not None else load_model(config.model)
-        return TensorParallelRunner(config, loaded, options), loaded.tokenizer
-    loaded = loaded if loaded is not None else load_model(config.model)
-    return TorchModelRunner(loaded, device=config.device, **options), loaded.tokenizer
+        serve_if_worker_rank(backend_for(options.device, options.tensor_parallel_size))
+        loaded = loaded if loaded is not None else load_model(model)
+        runner = TensorParallelRunner(options, loaded, profile_attention=profile_attention)
+        return runner, loaded.tokenizer
+    loaded = loaded if loaded is not None else load_model(model)
+    return TorchModelRunner(loaded, options, profile_attention=profile_attention), loaded.tokenizer

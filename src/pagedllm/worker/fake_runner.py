@@ -16,15 +16,26 @@ from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 
 
 class FakeModelRunner:
-    def __init__(self, spec: ModelSpec, token: int = 0, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        token: int = 0,
+        seed: int | None = None,
+        kv_bytes_per_token: int = 1,
+    ) -> None:
+        """`kv_bytes_per_token`: what a token's K/V would take, for sizing the pool from a
+        byte budget (default 1: a budget in bytes is then one in tokens)."""
         if not 0 <= token < spec.vocab_size:
             raise ValueError(f"token must be in [0, {spec.vocab_size - 1}], got {token}")
+        if kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
         self.spec = spec
         self.token = token
         self.rng = random.Random(seed) if seed is not None else None
+        self.kv_bytes_per_token = kv_bytes_per_token
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return block_size
+        return block_size * self.kv_bytes_per_token
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         pass  # no K/V to hold

@@ -4,6 +4,8 @@ Each step it does the copy-on-write block copies, builds the flat token batch an
 AttentionMetadata, runs the forward, and samples the rows that need a token. It owns
 every tensor of the engine: weights, the paged KV pool, the sampler and the random
 generators of seeded samples (keyed by sequence id, dropped when the sequence ends).
+It computes as its RunnerOptions say (worker/options.py), never reading the engine's
+configuration.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 
 import torch
 
-from pagedllm.attention.backends import select_attention
+from pagedllm.attention.backends import AttentionBackend, select_attention
 from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.attention.timed import TimedAttention
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.kernels.cpu import KernelUnavailableError, load_cpu_ops
 from pagedllm.loader import LoadedModel
@@ -26,51 +29,56 @@ from pagedllm.model.linear import observe_inputs
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.parallel import ParallelContext
 from pagedllm.worker.kv_cache import PagedKVCache
+from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 from pagedllm.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedllm")
 CALIBRATION_TEXT = Path(__file__).parents[1] / "model" / "data" / "calibration.txt"
+# Block size of the private cache of `logits_of`: any size gives the same logits; this is
+# the engine's default.
+SCRATCH_BLOCK_SIZE = 16
 
 
 class TorchModelRunner:
     def __init__(
         self,
         loaded: LoadedModel,
-        dtype: str = "float32",
-        device: str = "cpu",
-        seed: int = 0,
-        kv_cache_dtype: str = "auto",
-        attention_backend: str = "auto",
-        quantization: str | None = None,
+        options: RunnerOptions | None = None,
         *,
         parallel: ParallelContext | None = None,
+        profile_attention: bool = False,
     ) -> None:
-        """`parallel`: this rank's group when `loaded` holds one tensor-parallel rank's
-        share of the model (worker/tp_runner.py); its logits are gathered on rank 0."""
-        self.device = torch.device(device)
-        self.dtype: torch.dtype = getattr(torch, dtype)
-        self.kv_dtype: torch.dtype = (
-            self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
-        )
+        """`options`: how to compute (default: RunnerOptions()). `parallel`: this rank's
+        group when `loaded` holds one tensor-parallel rank's share of the model
+        (worker/tp_runner.py); its logits are gathered on rank 0. `profile_attention`:
+        add up the seconds spent in attention (`attention_seconds`), for the benches."""
+        options = options if options is not None else RunnerOptions()
+        self.options = options
+        self.device = torch.device(options.device)
+        self.dtype: torch.dtype = getattr(torch, options.dtype)
+        kv_dtype = options.kv_cache_dtype
+        self.kv_dtype: torch.dtype = self.dtype if kv_dtype == "auto" else getattr(torch, kv_dtype)
         self.model_config = cfg = loaded.config
-        self.attention = select_attention(
-            attention_backend,
+        attention: AttentionBackend = select_attention(
+            options.attention_backend,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
             self.device,
         )
+        self._timed = TimedAttention(attention) if profile_attention else None
+        self.attention: AttentionBackend = self._timed or attention
         logger.info(
             "attention backend: %s; KV cache dtype: %s",
             self.attention.name,
             str(self.kv_dtype).removeprefix("torch."),
         )
-        ops = self._layer_ops(attention_backend)
+        ops = self._layer_ops(options.attention_backend)
         model = LlamaForCausalLM(cfg, self.attention, ops, parallel)
         model.load_weights(loaded.weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        if quantization == "int8":
+        if options.quantization == "int8":
             self._quantize_int8(loaded.tokenizer)
         self.spec = ModelSpec(
             vocab_size=loaded.config.vocab_size,
@@ -78,8 +86,19 @@ class TorchModelRunner:
             eos_token_ids=loaded.config.eos_token_ids,
         )
         self.kv_cache: PagedKVCache | None = None
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(options.seed))
         self._generators: dict[int, torch.Generator] = {}
+
+    @property
+    def attention_seconds(self) -> float | None:
+        """Seconds spent in attention so far, with `profile_attention`; else None."""
+        return None if self._timed is None else self._timed.seconds
+
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds spent in tensor-parallel collectives (0 on a single device)."""
+        parallel = self.model.parallel
+        return 0.0 if parallel is None else parallel.comm_seconds
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
@@ -105,51 +124,56 @@ class TorchModelRunner:
             raise RuntimeError("init_kv_cache must run before the first step")
         cache.copy_blocks(step.blocks_to_copy)
         seqs = step.seqs
-        input_ids = torch.tensor(
-            list(itertools.chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.long
-        ).to(self.device)
-        meta = build_attention_metadata(
+        hidden, rows = self._run_tokens(
+            cache,
+            list(itertools.chain.from_iterable(s.token_ids for s in seqs)),
             start_positions=[s.start_pos for s in seqs],
             query_lens=[len(s.token_ids) for s in seqs],
             block_tables=[s.block_table for s in seqs],
             logits_seq_indices=[i for i, s in enumerate(seqs) if s.needs_logits],
-            block_size=cache.block_size,
-            device=self.device,
-            dtype=self.dtype,
-            with_groups=self.attention.needs_groups,
-            query_tile=self.attention.query_tile,
         )
-        hidden = self.model(input_ids, meta.positions, cache.layers, meta)
-        return self.model.compute_logits(hidden[meta.logits_indices])
+        return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
     def logits_of(self, token_ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
         """Logits [len, vocab] after each token of `token_ids` (teacher forcing), computed
         in chunks through a private paged cache: the engine's pool is not touched. For
         measuring what an option changes (perplexity, logit differences)."""
-        block_size = 16
-        num_blocks = -(-len(token_ids) // block_size)
+        num_blocks = -(-len(token_ids) // SCRATCH_BLOCK_SIZE)
         cache = PagedKVCache(
-            self.model_config, num_blocks, block_size, dtype=self.kv_dtype, device=self.device
+            self.model_config, num_blocks, SCRATCH_BLOCK_SIZE, self.kv_dtype, self.device
         )
         table = list(range(num_blocks))
         out = []
         for start in range(0, len(token_ids), chunk):
-            ids = torch.tensor(token_ids[start : start + chunk], device=self.device)
-            meta = build_attention_metadata(
-                [start],
-                [len(ids)],
-                [table],
-                [0],
-                block_size,
-                device=self.device,
-                dtype=self.dtype,
-                with_groups=self.attention.needs_groups,
-                query_tile=self.attention.query_tile,
-            )
-            hidden = self.model(ids, meta.positions, cache.layers, meta)
-            out.append(self.model.compute_logits(hidden))
+            ids = list(token_ids[start : start + chunk])
+            hidden, _ = self._run_tokens(cache, ids, [start], [len(ids)], [table], [0])
+            out.append(self.model.compute_logits(hidden))  # every row's, not just the last
         return torch.cat(out)
+
+    def _run_tokens(
+        self,
+        cache: PagedKVCache,
+        token_ids: list[int],
+        start_positions: Sequence[int],
+        query_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        logits_seq_indices: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of a flat batch through `cache`: the final hidden states, and the
+        rows of the sequences whose logits are asked for."""
+        meta = build_attention_metadata(
+            start_positions,
+            query_lens,
+            block_tables,
+            logits_seq_indices,
+            cache.block_size,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device)
+        hidden = self.model(input_ids, meta.positions, cache.layers, meta)
+        return hidden, meta.logits_indices
 
     def _layer_ops(self, attention_backend: str) -> TorchLayerOps:
         """The fused element-wise kernels on a CPU where they build (and unless the whole

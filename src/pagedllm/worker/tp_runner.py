@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.engine.config import EngineConfig
 from pagedllm.errors import InvalidParameterError
 from pagedllm.loader import LoadedModel
 from pagedllm.model.sharding import check_tensor_parallel, shard_weights
 from pagedllm.worker.model_runner import TorchModelRunner
+from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 from pagedllm.worker.tp_group import (
     TPGroup,
@@ -39,9 +39,7 @@ from pagedllm.worker.tp_group import (
     threads_per_rank,
 )
 from pagedllm.worker.tp_worker import (
-    InitKV,
-    LogitsOf,
-    RunStep,
+    Call,
     Stop,
     WorkerInit,
     build_rank_runner,
@@ -80,12 +78,13 @@ def backend_for(device: str, size: int) -> str:
 
 class TensorParallelRunner:
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel, runner_options: dict[str, Any]
+        self, options: RunnerOptions, loaded: LoadedModel, *, profile_attention: bool = False
     ) -> None:
-        """`runner_options`: TorchModelRunner's keywords but the device (every rank's)."""
-        size = config.tensor_parallel_size
+        """`options`: every rank's (each on its own device); `profile_attention`: the
+        driver's runner adds up the seconds its attention takes."""
+        size = options.tensor_parallel_size
         check_tensor_parallel(loaded.config, size)
-        backend = backend_for(config.device, size)
+        backend = backend_for(options.device, size)
         cfg = loaded.config
         self.spec = ModelSpec(cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_ids)
         self._threads = torch.get_num_threads()
@@ -105,7 +104,7 @@ class TensorParallelRunner:
                     f"tensor_parallel_size={size}, but the launcher started "
                     f"{self.group.world_size} ranks (WORLD_SIZE)",
                 )
-            self.local = self._start(config, loaded, runner_options)
+            self.local = self._start(options, loaded, profile_attention)
         except BaseException:
             # Ranks may be anywhere in start-up (waiting to report, building, calibrating):
             # end them rather than wait for them.
@@ -116,27 +115,27 @@ class TensorParallelRunner:
         logger.info("tensor parallel: %d ranks over %s", size, backend)
 
     def _start(
-        self, config: EngineConfig, loaded: LoadedModel, runner_options: dict[str, Any]
+        self, options: RunnerOptions, loaded: LoadedModel, profile_attention: bool
     ) -> TorchModelRunner:
         group, size = self.group, self.group.world_size
         shares = [shard_weights(loaded.weights, loaded.config, r, size) for r in range(size)]
         init = WorkerInit(
             config=loaded.config,
-            runner_options=runner_options,
-            device_type="cpu" if config.device == "cpu" else "cuda",
+            options=options,
+            device_type="cpu" if options.device == "cpu" else "cuda",
             shares=[
                 [(n, (tuple(t.shape), str(t.dtype).removeprefix("torch."))) for n, t in s.items()]
                 for s in shares
             ],
             source=loaded.source,
             hf_dir=loaded.hf_dir,
-            tokenizer=loaded.tokenizer if config.quantization else None,
+            tokenizer=loaded.tokenizer if options.quantization else None,
         )
         group.broadcast(init)
         for rank in range(1, size):
             group.send_tensors(rank, list(shares[rank].values()))
             shares[rank] = {}  # sent: free the copies
-        local = build_rank_runner(init, group, shares[0])
+        local = build_rank_runner(init, group, shares[0], profile_attention)
         for rank in range(1, size):
             status = group.receive_object(rank)
             if status is not None:
@@ -156,23 +155,28 @@ class TensorParallelRunner:
     @property
     def comm_seconds(self) -> float:
         """Seconds the driver has spent in the model's collectives."""
-        return self.parallel.comm_seconds
+        return self.local.comm_seconds
+
+    @property
+    def attention_seconds(self) -> float | None:
+        """The driver's seconds in attention, with `profile_attention`; else None."""
+        return self.local.attention_seconds
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block on each rank (its KV heads' share)."""
         return self.local.kv_bytes_per_block(block_size)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        msg = InitKV(num_blocks, block_size)
-        self._run(msg, lambda: self.local.init_kv_cache(num_blocks, block_size))
+        self._call("init_kv_cache", num_blocks, block_size)
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
-        return self._run(RunStep(step), lambda: self.local.execute(step, rows))
+        # The workers draw no rows: the driver alone samples, from the gathered logits.
+        return self._call("execute", step, rows, worker_args=(step, ()))
 
     def logits_of(self, token_ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
-        """Teacher-forced logits [len, vocab], as TorchModelRunner.logits_of."""
-        ids = list(token_ids)
-        return self._run(LogitsOf(ids, chunk), lambda: self.local.logits_of(ids, chunk))
+        """Teacher-forced logits [len, vocab], as TorchModelRunner.logits_of (every rank
+        runs the same chunks: their collectives must pair up)."""
+        return self._call("logits_of", list(token_ids), chunk)
 
     def shutdown(self) -> None:
         if self.group.closed:
@@ -182,6 +186,12 @@ class TensorParallelRunner:
         self.local.shutdown()
 
     # ------------------------------------------------------------------- helpers
+    def _call(self, method: str, *args: Any, worker_args: tuple[Any, ...] | None = None) -> Any:
+        """Every rank calls its runner's `method` (one of RANK_METHODS): the driver with
+        `args`, the workers with `worker_args` when given, else the same `args`."""
+        message = Call(method, args if worker_args is None else worker_args)
+        return self._run(message, lambda: getattr(self.local, method)(*args))
+
     def _run(self, message: Any, local: Callable[[], T]) -> T:
         """Every rank does `message`'s work; the driver's part is `local()`."""
         if self._failure is not None:

@@ -1,10 +1,11 @@
 """A tensor-parallel worker: rank r > 0, which serves the driver until told to stop.
 
-It receives a `WorkerInit` (the whole model's config, the engine's numerics, and the
+It receives a `WorkerInit` (the whole model's config, the runner options, and the
 names, shapes and dtypes of its share of the weights), then the weights, builds the same
 TorchModelRunner as the driver over its share, and tells the driver whether that worked.
-Then it runs what the driver broadcasts: `InitKV` once, `RunStep` every engine step (the
-copy-on-write copies and the forward; the driver alone samples), `LogitsOf`, and `Stop`.
+Then it runs what the driver broadcasts: a `Call` of one of its runner's methods (those
+in RANK_METHODS: `init_kv_cache` once, `execute` every engine step with no rows to draw,
+since the driver alone samples, `logits_of`), until `Stop`.
 Any exception ends the process: a rank that cannot follow the driver must not leave the
 others waiting in a collective (they fail at once when its connections close).
 """
@@ -21,13 +22,13 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.errors import InvalidParameterError
 from pagedllm.loader import LoadedModel
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.parallel import ParallelContext
 from pagedllm.model.sharding import shard_config
 from pagedllm.worker.model_runner import TorchModelRunner
+from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.tp_group import (
     TensorSpec,
     TPGroup,
@@ -37,11 +38,15 @@ from pagedllm.worker.tp_group import (
     threads_per_rank,
 )
 
+# The runner methods the driver may have every rank call: each runs the same collectives
+# on every rank, so every rank must run it.
+RANK_METHODS = frozenset({"execute", "init_kv_cache", "logits_of"})
+
 
 @dataclass(frozen=True)
 class WorkerInit:
     config: ModelConfig  # the whole model's
-    runner_options: dict[str, Any]  # TorchModelRunner's: dtype, seed, kv_cache_dtype, ...
+    options: RunnerOptions  # each rank's runner takes them with its own device
     device_type: str  # "cpu", or "cuda" (each rank on its local GPU)
     shares: list[list[tuple[str, TensorSpec]]]  # per rank: its weights, in sending order
     source: str
@@ -50,20 +55,21 @@ class WorkerInit:
 
 
 @dataclass(frozen=True)
-class InitKV:
-    num_blocks: int
-    block_size: int
+class Call:
+    """Every rank calls `runner.<method>(*args)` (a name in RANK_METHODS)."""
+
+    method: str
+    args: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        check_rank_method(self.method)
 
 
-@dataclass(frozen=True)
-class RunStep:
-    step: SchedulerOutput
-
-
-@dataclass(frozen=True)
-class LogitsOf:
-    token_ids: list[int]
-    chunk: int  # tokens per forward: every rank must run the same forwards
+def check_rank_method(name: str) -> None:
+    """ValueError unless `name` is in RANK_METHODS."""
+    if name not in RANK_METHODS:
+        allowed = ", ".join(sorted(RANK_METHODS))
+        raise ValueError(f"{name!r} is not a rank method; allowed: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,10 @@ class Stop:
 
 
 def build_rank_runner(
-    init: WorkerInit, group: TPGroup, weights: dict[str, torch.Tensor]
+    init: WorkerInit,
+    group: TPGroup,
+    weights: dict[str, torch.Tensor],
+    profile_attention: bool = False,
 ) -> TorchModelRunner:
     """The runner of `group.rank`'s share (the driver builds its own with this too)."""
     cfg, rank, size = init.config, group.rank, group.world_size
@@ -80,7 +89,8 @@ def build_rank_runner(
     share = shard_config(cfg, rank, size)
     loaded = LoadedModel(share, weights, init.tokenizer, init.source, init.hf_dir)
     device = "cpu" if init.device_type == "cpu" else f"cuda:{group.local_rank}"
-    return TorchModelRunner(loaded, device=device, parallel=parallel, **init.runner_options)
+    options = init.options.for_rank(device)
+    return TorchModelRunner(loaded, options, parallel=parallel, profile_attention=profile_attention)
 
 
 def describe(exc: BaseException) -> tuple[str, str | None, str]:
@@ -104,16 +114,12 @@ def serve(group: TPGroup) -> int:
     del tensors
     while True:
         msg = group.receive()
-        if isinstance(msg, RunStep):
-            runner.forward(msg.step)
-        elif isinstance(msg, InitKV):
-            runner.init_kv_cache(msg.num_blocks, msg.block_size)
-        elif isinstance(msg, LogitsOf):
-            runner.logits_of(msg.token_ids, msg.chunk)
-        elif isinstance(msg, Stop):
+        if isinstance(msg, Stop):
             return 0
-        else:
+        if not isinstance(msg, Call):
             raise TypeError(f"unknown message from the driver: {msg!r}")
+        check_rank_method(msg.method)  # again: unpickling does not run __post_init__
+        getattr(runner, msg.method)(*msg.args)
 
 
 def _exit_after(start: Callable[[], TPGroup]) -> None:

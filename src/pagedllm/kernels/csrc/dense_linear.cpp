@@ -15,14 +15,12 @@
 #include <cstdint>
 #include <optional>
 
+#include "row_dispatch.h"
 #include "vec.h"
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;
-
-// Output features [begin, end) for M rows, J features at a time: M * J independent
-// accumulators, enough to hide the multiply-add latency even for a single row.
+// Output features [begin, end) for M rows, J features at a time.
 template <int M, int J>
 void gemv_rows(const float* xp, const float* wp, const float* bp, float* op, int64_t k,
                int64_t n, int64_t begin, int64_t end) {
@@ -46,14 +44,6 @@ void gemv_rows(const float* xp, const float* wp, const float* bp, float* op, int
   if (j < end) gemv_rows<M, 1>(xp, wp, bp, op, k, n, j, end);  // the last few features
 }
 
-template <int M>
-void gemv(const float* xp, const float* wp, const float* bp, float* op, int64_t k, int64_t n) {
-  constexpr int J = M == 1 ? 4 : M == 2 ? 2 : 1;
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    gemv_rows<M, J>(xp, wp, bp, op, k, n, begin, end);
-  });
-}
-
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -61,23 +51,17 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "weight must be a contiguous float32 [out, in] tensor");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(m >= 1 && m <= kMaxRows && weight.size(1) == k && k % 8 == 0,
-              "dense_linear takes 1 to 8 rows and in_features a multiple of 8");
+  TORCH_CHECK(m >= 1 && m <= pagedllm::kGemvMaxRows && weight.size(1) == k && k % 8 == 0,
+              "dense_linear takes 1 to ", pagedllm::kGemvMaxRows,
+              " rows and in_features a multiple of 8");
   auto out = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  switch (m) {
-    case 1: gemv<1>(xp, wp, bp, op, k, n); break;
-    case 2: gemv<2>(xp, wp, bp, op, k, n); break;
-    case 3: gemv<3>(xp, wp, bp, op, k, n); break;
-    case 4: gemv<4>(xp, wp, bp, op, k, n); break;
-    case 5: gemv<5>(xp, wp, bp, op, k, n); break;
-    case 6: gemv<6>(xp, wp, bp, op, k, n); break;
-    case 7: gemv<7>(xp, wp, bp, op, k, n); break;
-    default: gemv<8>(xp, wp, bp, op, k, n); break;
-  }
+  pagedllm::gemv_dispatch(m, n, [&](auto rows, auto at_once, int64_t begin, int64_t end) {
+    gemv_rows<decltype(rows)::value, decltype(at_once)::value>(xp, wp, bp, op, k, n, begin, end);
+  });
   return out;
 }
 

@@ -22,6 +22,7 @@
 #include <optional>
 #include <vector>
 
+#include "row_dispatch.h"
 #include "vec.h"
 
 namespace {
@@ -53,8 +54,6 @@ inline void quantize_row(const float* x, const float* smooth, float inv_scale, i
   }
   for (; i < k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * smooth[i] * inv_scale));
 }
-
-constexpr int64_t kGemvRows = 8;
 
 // acc[r, j] = sum_i xq[r, i] * w[j, i] for rows [0, M), features [begin, end), J at a
 // time. AVX2 multiplies unsigned by signed bytes: |x| times w carrying x's sign, whose
@@ -96,14 +95,6 @@ void gemv_rows(const int8_t* xp, const int8_t* wp, int32_t* ap, int64_t k, int64
       }
   }
   if (j < end) gemv_rows<M, 1>(xp, wp, ap, k, n, j, end);
-}
-
-template <int M>
-void gemv(const int8_t* xp, const int8_t* wp, int32_t* ap, int64_t k, int64_t n) {
-  constexpr int J = M == 1 ? 4 : M == 2 ? 2 : 1;
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    gemv_rows<M, J>(xp, wp, ap, k, n, begin, end);
-  });
 }
 
 // The same products with AVX-512 VNNI, where the CPU has it: 64 byte pairs per
@@ -156,16 +147,9 @@ at::Tensor int8_gemv(const at::Tensor& xq, const at::Tensor& weight_t,
     });
     return acc;
   }
-  switch (m) {
-    case 1: gemv<1>(xp, wp, ap, k, n); break;
-    case 2: gemv<2>(xp, wp, ap, k, n); break;
-    case 3: gemv<3>(xp, wp, ap, k, n); break;
-    case 4: gemv<4>(xp, wp, ap, k, n); break;
-    case 5: gemv<5>(xp, wp, ap, k, n); break;
-    case 6: gemv<6>(xp, wp, ap, k, n); break;
-    case 7: gemv<7>(xp, wp, ap, k, n); break;
-    default: gemv<8>(xp, wp, ap, k, n); break;
-  }
+  pagedllm::gemv_dispatch(m, n, [&](auto rows, auto at_once, int64_t begin, int64_t end) {
+    gemv_rows<decltype(rows)::value, decltype(at_once)::value>(xp, wp, ap, k, n, begin, end);
+  });
   return acc;
 }
 
@@ -195,7 +179,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const 
   TORCH_CHECK(weight_sums.scalar_type() == at::kInt && weight_sums.numel() == n,
               "weight_sums must be int32 [out]");
   const at::Tensor acc =
-      m <= kGemvRows ? int8_gemv(xq, weight_t, weight_sums) : at::_int_mm(xq, weight_t);
+      m <= pagedllm::kGemvMaxRows ? int8_gemv(xq, weight_t, weight_sums) : at::_int_mm(xq, weight_t);
   auto out = at::empty({m, n}, x.options());
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* ws = weight_scale.data_ptr<float>();

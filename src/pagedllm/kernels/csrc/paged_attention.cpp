@@ -1,13 +1,14 @@
 // Paged attention on the CPU: reads K/V through the block table while it computes.
 //
 // One call covers a layer's whole flat batch: decode rows and chunked-prefill rows
-// (causal inside the chunk, full over the cached context). A work item is one sequence,
-// one KV head and a tile of query rows; the query heads that share the KV head are
-// processed together, so each K/V row is read once for all of them. Keys are visited in
-// chunks of up to 16, gathered through the block table into a small fp32 tile (converting
-// half-precision caches on load), with an online softmax and fp32 accumulators. When a
-// batch has fewer work items than threads, decode items are split along the context and
-// the splits merged by log-sum-exp. Threads come from torch's own pool (at::parallel_for).
+// (causal inside the chunk, full over the cached context). It follows a work list built
+// once per step in Python (attention/cpu.py, from the rules of kernels/policy.py): a work
+// item is one sequence, a range of KV heads, a tile of query rows and a range of keys; the
+// query heads that share a KV head are processed together, so each K/V row is read once
+// for all of them. Keys are visited in chunks of up to 16, gathered through the block
+// table into a small fp32 tile (converting half-precision caches on load), with an online
+// softmax and fp32 accumulators. Decode rows the list split along their context are
+// merged by log-sum-exp. Threads come from torch's own pool (at::parallel_for).
 //
 // Requires AVX2, FMA and F16C; head_dim must be a multiple of 8.
 
@@ -27,8 +28,7 @@
 
 namespace {
 
-constexpr int kKeyChunk = 16;   // keys per inner step
-constexpr int kQueryTile = 16;  // query rows (tokens) per prefill work item
+constexpr int kKeyChunk = 16;  // keys per inner step
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kKeyChunk == 16, "score rows are handled as two 8-float vectors");
 
@@ -67,10 +67,10 @@ struct Problem {
 };
 
 // One unit of work: sequence b, KV heads [g0, g1), query rows [row0, row0 + rows), keys
-// [key_begin, key_end). Decode rows take all KV heads at once, so that each block is
-// read front to back; prefill tiles take one head (they are compute-bound and many).
-// `partial` >= 0 marks one split of a decode row: its unnormalised result goes to the
-// partial buffers instead of `out`.
+// [key_begin, key_end); a row of the work list tensor, in this order. `partial` >= 0 marks
+// one split of a decode row: its unnormalised result goes to the partial buffers instead
+// of `out`.
+constexpr int kItemFields = 8;
 struct WorkItem {
   int64_t b;
   int g0, g1;
@@ -334,81 +334,37 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
       }
 }
 
-// A split decode row: its item, its first partial slot and how many splits it has.
+// A split decode row: its sequence, its first partial slot and how many splits it has.
 struct Merge {
-  int64_t item;
+  int64_t b;
   int64_t first;
   int64_t parts;
 };
 
 template <typename T>
-void run(const Problem& pb, int64_t num_seqs) {
+void run(const Problem& pb, const std::vector<WorkItem>& items, const std::vector<Merge>& merges) {
   const int group = pb.num_heads / pb.num_kv_heads;
   const int d = pb.head_dim;
-  std::vector<WorkItem> items;
-  std::vector<int64_t> decode_items;
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t q_len = pb.query_start[b + 1] - pb.query_start[b];
-    const int64_t ctx = pb.context_lens[b];
-    if (q_len == 1) {
-      decode_items.push_back(static_cast<int64_t>(items.size()));
-      items.push_back({b, 0, pb.num_kv_heads, 0, 1, 0, ctx, -1});
-      continue;
-    }
-    for (int g = 0; g < pb.num_kv_heads; ++g)
-      for (int64_t r = 0; r < q_len; r += kQueryTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, q_len - r));
-        items.push_back({b, g, g + 1, r, rows, 0, ctx, -1});
-      }
-  }
-  // Fewer items than threads can keep busy: split decode rows along their context (at
-  // least 256 keys a split, so the merge stays cheap).
-  const int64_t threads = at::get_num_threads();
-  const int64_t num_items = static_cast<int64_t>(items.size());
   const int M = pb.num_heads;  // query vectors of a decode row
-  std::vector<float> partial_acc, partial_ml;
-  std::vector<Merge> merges;
-  if (!decode_items.empty() && num_items < 2 * threads) {
-    const int64_t want = (2 * threads + num_items - 1) / num_items;
-    int64_t next = 0;
-    for (int64_t idx : decode_items) {
-      const WorkItem whole = items[idx];
-      const int64_t parts = std::min<int64_t>(want, whole.key_end / 256);
-      if (parts < 2) continue;
-      const int64_t step = (whole.key_end + parts - 1) / parts;
-      merges.push_back({idx, next, parts});
-      for (int64_t p = 0; p < parts; ++p) {
-        WorkItem part = whole;
-        part.key_begin = p * step;
-        part.key_end = std::min(whole.key_end, (p + 1) * step);
-        part.partial = next++;
-        if (p == 0) items[idx] = part; else items.push_back(part);
-      }
-    }
-    partial_acc.resize(next * M * d);
-    partial_ml.resize(next * M * 2);
-  }
-  // Costliest items first, handed out one at a time: causal prefill tiles differ a lot.
-  std::vector<int64_t> order(items.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  auto cost = [&](int64_t i) {
-    const WorkItem& w = items[i];
-    return w.rows * (w.g1 - w.g0) * (w.key_end - w.key_begin);
-  };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  int64_t num_partials = 0;
+  for (const Merge& mg : merges) num_partials += mg.parts;
+  std::vector<float> partial_acc(num_partials * M * d), partial_ml(num_partials * M * 2);
+  int max_m = 1;
+  for (const WorkItem& w : items) max_m = std::max(max_m, w.rows * (w.g1 - w.g0) * group);
+  // Items are handed out one at a time in the list's order (costliest first).
   std::atomic<int64_t> next_item{0};
-  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
-  const int max_m = std::max(kQueryTile * group, M);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     Scratch sc;
     sc.reserve(max_m, d);
     for (int64_t w = begin; w < end; ++w)
-      for (int64_t i = next_item++; i < static_cast<int64_t>(order.size()); i = next_item++)
-        run_item<T>(pb, items[order[i]], sc, partial_acc.data(), partial_ml.data());
+      for (int64_t i = next_item++; i < num_items; i = next_item++)
+        run_item<T>(pb, items[i], sc, partial_acc.data(), partial_ml.data());
   });
   // Merge the splits of each decode row by log-sum-exp.
   for (const Merge& mg : merges) {
-    const int64_t row = pb.query_start[items[mg.item].b];
+    const int64_t row = pb.query_start[mg.b];
     for (int m = 0; m < M; ++m) {  // query head m of the row
       auto ml = [&](int64_t p, int k) { return partial_ml[((mg.first + p) * M + m) * 2 + k]; };
       float m_all = kNegInf;
@@ -432,7 +388,7 @@ void run(const Problem& pb, int64_t num_seqs) {
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     double scale) {
+                     const at::Tensor& work_items, const at::Tensor& merges, double scale) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "query and out must be float32");
   TORCH_CHECK(query.stride(2) == 1 && out.is_contiguous() && k_cache.is_contiguous() &&
@@ -460,11 +416,29 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   pb.scale = static_cast<float>(scale);
   TORCH_CHECK(pb.head_dim % 8 == 0, "head_dim must be a multiple of 8");
   TORCH_CHECK(pb.num_heads % pb.num_kv_heads == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(work_items.scalar_type() == at::kLong && work_items.is_contiguous() &&
+                  work_items.dim() == 2 && work_items.size(1) == kItemFields,
+              "work_items must be a contiguous int64 [items, 8] tensor");
+  TORCH_CHECK(merges.scalar_type() == at::kLong && merges.is_contiguous() && merges.dim() == 2 &&
+                  merges.size(1) == 3,
+              "merges must be a contiguous int64 [splits, 3] tensor");
   const int64_t num_seqs = context_lens.size(0);
+  const int64_t* w = work_items.data_ptr<int64_t>();
+  std::vector<WorkItem> items(work_items.size(0));
+  for (size_t i = 0; i < items.size(); ++i, w += kItemFields) {
+    items[i] = {w[0], static_cast<int>(w[1]), static_cast<int>(w[2]), w[3],
+                static_cast<int>(w[4]), w[5], w[6], w[7]};
+    TORCH_CHECK(items[i].b >= 0 && items[i].b < num_seqs && items[i].g0 >= 0 &&
+                    items[i].g1 <= pb.num_kv_heads && items[i].g0 < items[i].g1 && items[i].rows >= 1,
+                "work item ", i, " is out of range");
+  }
+  const int64_t* mp = merges.data_ptr<int64_t>();
+  std::vector<Merge> merge_list(merges.size(0));
+  for (size_t i = 0; i < merge_list.size(); ++i) merge_list[i] = {mp[3 * i], mp[3 * i + 1], mp[3 * i + 2]};
   switch (k_cache.scalar_type()) {
-    case at::kFloat: run<float>(pb, num_seqs); break;
-    case at::kHalf: run<c10::Half>(pb, num_seqs); break;
-    case at::kBFloat16: run<c10::BFloat16>(pb, num_seqs); break;
+    case at::kFloat: run<float>(pb, items, merge_list); break;
+    case at::kHalf: run<c10::Half>(pb, items, merge_list); break;
+    case at::kBFloat16: run<c10::BFloat16>(pb, items, merge_list); break;
     default: TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
   }
 }
@@ -474,7 +448,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor work_items, "
+      "Tensor merges, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,38 @@
+"""Work-sharing rules of the kernels, defined once here for every backend and language.
+
+The compiled CPU kernels and the Triton kernels follow the same rules; the C++ sources
+never restate them: a rule reaches them as an argument (a work list built from it) or as
+a `-D` definition at build time (kernels/cpu.py), so changing a number here changes
+every kernel and the build (its cache key covers the flags).
+
+Plain Python, no torch: the rules are arithmetic on counts.
+"""
+
+from __future__ import annotations
+
+# Query tokens per work item (a CPU work item, a Triton program) in steps with prompt
+# chunks: enough rows to reuse each K/V row loaded, few enough to keep tiles balanced.
+QUERY_TILE = 16
+
+# A decode row's context is cut into parts of at least this many keys: below it, merging
+# the parts costs more than the parallelism wins.
+MIN_KEYS_PER_SPLIT = 256
+
+# Splitting aims at this many work items per worker (thread, streaming multiprocessor),
+# so that uneven items still keep every worker busy to the end.
+ITEMS_PER_WORKER = 2
+
+# Up to this many rows a linear layer is a matrix-vector product bound by reading the
+# weights (the compiled gemv kernels, one template per row count); above it torch's
+# blocked GEMM is faster.
+GEMV_MAX_ROWS = 8
+
+
+def decode_splits(work_items: int, workers: int, context_len: int) -> int:
+    """Into how many parts a decode row of `context_len` keys is cut when a step has
+    `work_items` items for `workers` workers: enough to give every worker
+    ITEMS_PER_WORKER items, each part at least MIN_KEYS_PER_SPLIT keys; 1 means no split."""
+    if work_items <= 0:
+        return 1
+    wanted = -(-ITEMS_PER_WORKER * workers // work_items)
+    return max(1, min(wanted, context_len // MIN_KEYS_PER_SPLIT))

@@ -1,0 +1,71 @@
+"""RunnerOptions: how a model runner computes, in one frozen, validated dataclass.
+
+The runner's own options, so that worker/ never reads the engine's configuration: the
+engine (or a bench that builds a runner itself) hands over these fields, e.g. with
+`RunnerOptions.of(engine_config)`. A bad value raises InvalidParameterError naming the
+option. Plain Python: importing it needs no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from pagedllm.errors import InvalidParameterError
+
+DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
+QUANTIZATIONS = ("int8",)  # None: the model's own weights, exact to the reference
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0  # of the sampler's generator (seeded samples have their own)
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    quantization: str | None = None  # "int8": W8A8 linear layers (CPU, float32 model)
+    tensor_parallel_size: int = 1  # ranks the model is split over (worker/tp_runner.py)
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("attention_backend", ATTENTION_BACKENDS),
+            ("quantization", (None, *QUANTIZATIONS)),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                names = ", ".join(str(a) for a in allowed)
+                raise InvalidParameterError(name, f"{name} must be one of {names}, got {value!r}")
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise InvalidParameterError(
+                "tensor_parallel_size",
+                f"tensor_parallel_size must be an integer >= 1, got {size!r}",
+            )
+        if self.quantization is not None and (
+            not self.device.startswith("cpu") or self.dtype != "float32"
+        ):
+            raise InvalidParameterError(
+                "quantization",
+                f"quantization={self.quantization!r} runs on the CPU with dtype float32; got "
+                f"device={self.device!r}, dtype={self.dtype!r}",
+            )
+        if size > 1 and self.device not in ("cpu", "cuda"):
+            raise InvalidParameterError(
+                "device",
+                "with tensor_parallel_size > 1, device must be 'cpu' or 'cuda' (rank r takes "
+                f"its machine's GPU r, LOCAL_RANK under torchrun), got {self.device!r}",
+            )
+
+    @classmethod
+    def of(cls, config: object) -> RunnerOptions:
+        """The runner's options out of a larger configuration that has these fields by
+        name (the engine's)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+    def for_rank(self, device: str) -> RunnerOptions:
+        """The options of one tensor-parallel rank's own runner, on `device`."""
+        return replace(self, device=device, tensor_parallel_size=1)
