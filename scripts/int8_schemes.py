@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from pagedllm.bench.options import get_loaded
 from pagedllm.bench.quality import DATA, perplexity
-from pagedllm.entrypoints.llm import LLM
 from pagedllm.model.linear import DenseLinear
+from pagedllm.worker.model_runner import TorchModelRunner
+from pagedllm.worker.options import RunnerOptions
 
 TEXT = DATA / "quality_text.txt"
 Quantize = Callable[[torch.Tensor], torch.Tensor]
@@ -37,10 +38,12 @@ def per_token(x: torch.Tensor) -> torch.Tensor:
     return rounded(x, x.abs().amax(dim=-1, keepdim=True), 127)
 
 
-def fake_quantize(llm: LLM, activations: Quantize, keep: tuple[str, ...] = ()) -> None:
+def fake_quantize(
+    runner: TorchModelRunner, activations: Quantize, keep: tuple[str, ...] = ()
+) -> None:
     """Every linear layer but those named in `keep` computes with int8-rounded weights
     (per output channel) and inputs rounded by `activations`."""
-    for name, module in llm.engine.runner.model.named_modules():  # type: ignore[attr-defined]
+    for name, module in runner.model.named_modules():
         if not isinstance(module, DenseLinear) or name.endswith(keep):
             continue
         w = module.weight.detach()
@@ -53,8 +56,8 @@ def fake_quantize(llm: LLM, activations: Quantize, keep: tuple[str, ...] = ()) -
         module.forward = forward  # type: ignore[method-assign]
 
 
-def text_perplexity(llm: LLM, ids: list[int]) -> float:
-    return perplexity(llm.engine.runner.logits_of(ids), ids)  # type: ignore[attr-defined]
+def text_perplexity(runner: TorchModelRunner, ids: list[int]) -> float:
+    return perplexity(runner.logits_of(ids), ids)
 
 
 def main() -> None:
@@ -69,11 +72,11 @@ def main() -> None:
     ]
     rows = []
     for label, activations, keep in schemes:
-        llm = LLM(loaded=loaded, kv_cache_memory="64MiB")
+        runner = TorchModelRunner(loaded, RunnerOptions())
         if activations is not None:
-            fake_quantize(llm, activations, keep)
-        rows.append((label, text_perplexity(llm, ids)))
-    shipped = LLM(loaded=loaded, quantization="int8", kv_cache_memory="64MiB")
+            fake_quantize(runner, activations, keep)
+        rows.append((label, text_perplexity(runner, ids)))
+    shipped = TorchModelRunner(loaded, RunnerOptions(quantization="int8"))
     label = "per token, 8-bit, SmoothQuant alpha 0.5 (quantization=int8)"
     rows.append((label, text_perplexity(shipped, ids)))
     base = rows[0][1]

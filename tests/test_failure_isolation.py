@@ -29,6 +29,7 @@ PROMPTS = {
     "parallel": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
     "beam": [60, 61, 62],
     "victim": [11, 12, 13, 14],
+    "victim_beam": [70, 71, 72, 73],
 }
 PARAMS: dict[str, Any] = {
     "greedy": GREEDY,
@@ -36,6 +37,7 @@ PARAMS: dict[str, Any] = {
     "parallel": PARALLEL,
     "beam": BEAM,
     "victim": GREEDY,
+    "victim_beam": BEAM,
 }
 
 
@@ -80,6 +82,18 @@ def undisturbed(llm: LLM) -> dict[str, list[list[int]]]:
     return {name: tokens(out) for name, out in finals.items()}
 
 
+def only_victim_failed(
+    llm: LLM, finals: dict[str, RequestOutput], victim: str, undisturbed: dict
+) -> RequestOutput:
+    """The victim's final output; every other request's tokens are the undisturbed
+    run's, and the pool is whole."""
+    out = finals.pop(victim)
+    assert out.finished and out.error is not None
+    assert {name: tokens(o) for name, o in finals.items()} == undisturbed
+    assert_pool_whole(llm)
+    return out
+
+
 def poison_params(llm: LLM) -> None:
     """A value that slipped past validation reaches the sampler: a bias on a token id far
     past the vocabulary (indexing the logits with it raises)."""
@@ -90,11 +104,9 @@ def poison_params(llm: LLM) -> None:
 
 def test_a_failing_sampling_row_fails_only_its_request(llm: LLM, undisturbed) -> None:
     finals = run(llm, [*SURVIVORS[:2], "victim", *SURVIVORS[2:]], poison=poison_params)
-    victim = finals.pop("victim")
-    assert victim.finished and victim.error is not None and "sampling failed" in victim.error
+    victim = only_victim_failed(llm, finals, "victim", undisturbed)
+    assert victim.error is not None and "sampling failed" in victim.error
     assert [c.finish_reason for c in victim.outputs] == ["error"]
-    assert {name: tokens(out) for name, out in finals.items()} == undisturbed
-    assert_pool_whole(llm)
     # The engine serves on, exactly as before.
     assert {n: tokens(o) for n, o in run(llm, SURVIVORS).items()} == undisturbed
     assert_pool_whole(llm)
@@ -117,11 +129,9 @@ def test_a_failing_stop_check_fails_only_its_request(
 
     monkeypatch.setattr(output, "check_stop", failing_check_stop)
     finals = run(llm, ["victim", *SURVIVORS], poison=mark_victim)
-    victim = finals.pop("victim")
+    victim = only_victim_failed(llm, finals, "victim", undisturbed)
     assert victim.error is not None and victim.error.startswith("UnicodeDecodeError")
     assert len(victim.outputs[0].token_ids) == 3  # what it had when it failed
-    assert {name: tokens(out) for name, out in finals.items()} == undisturbed
-    assert_pool_whole(llm)
 
 
 def test_a_failing_beam_step_fails_only_the_beam_search(
@@ -139,15 +149,9 @@ def test_a_failing_beam_step_fails_only_the_beam_search(
         advance(req, *args)
 
     monkeypatch.setattr(engine, "_advance_beams", failing_advance)
-    PROMPTS["victim_beam"], PARAMS["victim_beam"] = [70, 71, 72, 73], BEAM
-    try:
-        finals = run(llm, [*SURVIVORS, "victim_beam"])
-    finally:
-        del PROMPTS["victim_beam"], PARAMS["victim_beam"]
-    victim = finals.pop("victim_beam")
+    finals = run(llm, [*SURVIVORS, "victim_beam"])
+    victim = only_victim_failed(llm, finals, "victim_beam", undisturbed)
     assert victim.error == "IndexError: a beam bookkeeping fault"
-    assert {name: tokens(out) for name, out in finals.items()} == undisturbed
-    assert_pool_whole(llm)
 
 
 def test_a_failed_forward_pass_fails_that_steps_requests_once(

@@ -5,6 +5,7 @@ and its `code` the engine's kind of problem). After every test the KV pool is wh
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -251,3 +252,34 @@ def test_a_lone_surrogate_in_stop_is_a_400(server: LiveServer) -> None:
         code="invalid_value",
     )
     assert error["message"].startswith("stop[0] is not valid Unicode text")
+
+
+def test_a_value_past_int64_is_a_400_and_a_running_stream_never_notices(
+    server: LiveServer,
+) -> None:
+    """The request that used to fail every other user's stream with a 500."""
+    prompt = "Once upon a time"
+    want = completion(server, prompt=prompt, max_tokens=24, temperature=0).json()
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        check_error(
+            post_raw(
+                server.url + "/v1/completions",
+                '{"prompt":"Hi","max_tokens":2,"top_k":1000000000000000000000000000000}',
+            ),
+            400,
+            param="top_k",
+            words=("64 bits",),
+        )
+        for field in ("n", "seed", "logprobs", "max_tokens", "best_of"):
+            check_error(completion(server, prompt="Hi", **{field: 2**64}), 400, param=field)
+        rest = [line for line in lines if line.startswith("data: ")]
+    chunks = [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == want["choices"][0]["text"] and rest[-1] == "data: [DONE]"
+    # A top_k at or above the vocabulary keeps every token, like -1.
+    assert completion(server, prompt="Hi", top_k=10**9, temperature=0).status_code == 200

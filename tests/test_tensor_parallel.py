@@ -29,11 +29,10 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.cli import main
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, TensorParallelError
 from pagedllm.loader import load_model
 from pagedllm.model.sharding import check_tensor_parallel, shard_config, shard_weights
 from pagedllm.worker.runner import SampledTokens, SampleRow
-from pagedllm.worker.tp_runner import TensorParallelError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [list(range(3, 3 + n)) for n in (4, 19, 33)] + [[100, 7, 9, 11, 2]]

@@ -2,9 +2,12 @@
 
 `InvalidParameterError` names the parameter that was wrong (`param`) and the kind of
 problem (`code`), so that callers such as the HTTP server map it to a response without
-reading its message. The others say what failed: a request (`RequestFailedError`), the
-engine's admission (`EngineOverloadedError`), the block pool (`NoFreeBlocksError`).
-Plain Python: every layer may import it.
+reading its message. The others say what failed: loading a model (`ModelLoadError`), a
+request (`RequestFailedError`), the engine's admission (`EngineOverloadedError`), the
+block pool (`NoFreeBlocksError`), the compiled kernels (`KernelUnavailableError`), a
+tensor-parallel group (`TensorParallelError`). Every error type of the engine lives
+here; the HTTP server's `APIError` is a response, not an error of the engine. Plain
+Python: every layer may import it.
 """
 
 from __future__ import annotations
@@ -35,3 +38,16 @@ class EngineOverloadedError(RuntimeError):
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free blocks than were asked for; nothing was allocated."""
+
+
+class ModelLoadError(ValueError):
+    """A model path, config, checkpoint or tokenizer could not be loaded; the message is
+    one clear line (missing path, bad checkpoint, unsupported architecture or tensor)."""
+
+
+class KernelUnavailableError(RuntimeError):
+    """The compiled kernels cannot be used here; the message says why."""
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group failed (a rank died, hung or raised)."""

@@ -16,8 +16,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import ReferenceAttention
-from pagedllm.errors import InvalidParameterError
-from pagedllm.kernels.cpu import KernelUnavailableError
+from pagedllm.errors import InvalidParameterError, KernelUnavailableError
 
 logger = logging.getLogger("pagedllm")
 

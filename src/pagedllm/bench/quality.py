@@ -28,7 +28,6 @@ from pagedllm.entrypoints.engine_args import engine_options
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.factory import build_runner
-from pagedllm.worker.options import RunnerOptions
 
 DATA = Path(__file__).with_name("data")
 COLUMNS = "|".join(
@@ -77,7 +76,7 @@ def measure(
     prompts: list[list[int]],
     tokens: int,
 ) -> dict:
-    runner, tokenizer = build_runner(RunnerOptions.of(config), config.model, loaded)
+    runner, tokenizer = build_runner(config.runner_options, config.model, loaded)
     try:
         logits = runner.logits_of(text_ids)
         engine = LLMEngine(config, runner=runner, tokenizer=tokenizer)

@@ -24,7 +24,6 @@ from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.factory import RealRunner, build_runner
 from pagedllm.worker.fake_runner import FakeModelRunner
-from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelSpec
 
 SLOT_KINDS = ("tokens", "reserved", "wasted")
@@ -124,7 +123,7 @@ def engine_over_runner(
 ) -> tuple[LLMEngine, RealRunner]:
     """An engine over a runner built here, so that the bench holds the runner it measures
     (`profile_attention`: the runner adds up its seconds in attention)."""
-    options = RunnerOptions.of(config)
+    options = config.runner_options
     runner, tokenizer = build_runner(
         options, config.model, loaded, profile_attention=profile_attention
     )

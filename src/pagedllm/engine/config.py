@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pagedllm.core.reservation import check_policy
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.block_table import check_block_size
-from pagedllm.worker.options import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+from pagedllm.worker.options import RunnerOptions
 
 _UNITS = {
     "": 1,
@@ -71,41 +71,19 @@ class EngineConfig:
             raise InvalidParameterError(
                 "kv_cache_memory", f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             _at_least(self, name, 1)
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _at_least(self, name, 1)
-        for name, allowed in (
-            ("dtype", DTYPES),
-            ("kv_cache_dtype", KV_CACHE_DTYPES),
-            ("attention_backend", ATTENTION_BACKENDS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise InvalidParameterError(
-                    name, f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-                )
-        if self.quantization is not None:
-            if self.quantization not in QUANTIZATIONS:
-                raise InvalidParameterError(
-                    "quantization",
-                    f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, "
-                    f"got {self.quantization!r}",
-                )
-            if not self.device.startswith("cpu") or self.dtype != "float32":
-                raise InvalidParameterError(
-                    "quantization",
-                    "quantization='int8' runs on the CPU with dtype float32; got "
-                    f"device={self.device!r}, dtype={self.dtype!r}",
-                )
-        if self.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
-            raise InvalidParameterError(
-                "device",
-                "with tensor_parallel_size > 1, device must be 'cpu' or 'cuda' (rank r takes "
-                f"its machine's GPU r, LOCAL_RANK under torchrun), got {self.device!r}",
-            )
+        RunnerOptions.of(self)  # the runner's share of the options checks itself
         check_policy(self.kv_reservation)
         if not 0 <= self.watermark < 1:
             raise InvalidParameterError(
                 "watermark", f"watermark must be in [0, 1), got {self.watermark}"
             )
+
+    @property
+    def runner_options(self) -> RunnerOptions:
+        """What the model runner computes with: this configuration's share of options."""
+        return RunnerOptions.of(self)

@@ -61,9 +61,8 @@ class LLMEngine:
         if runner is None:
             # Imported here: an engine over a fake runner never loads torch.
             from pagedllm.worker.factory import build_runner
-            from pagedllm.worker.options import RunnerOptions
 
-            runner, tokenizer = build_runner(RunnerOptions.of(config), config.model, loaded)
+            runner, tokenizer = build_runner(config.runner_options, config.model, loaded)
         self.runner = runner
         self.tokenizer = tokenizer
         spec = runner.spec

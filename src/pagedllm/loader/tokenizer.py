@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from pagedllm.loader.errors import ModelLoadError
+from pagedllm.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -22,7 +22,8 @@ from pagedllm.attention.backends import AttentionBackend, select_attention
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.timed import TimedAttention
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.kernels.cpu import KernelUnavailableError, load_cpu_ops
+from pagedllm.errors import KernelUnavailableError
+from pagedllm.kernels.cpu import load_cpu_ops
 from pagedllm.loader import LoadedModel
 from pagedllm.model.layer_ops import CompiledLayerOps, TorchLayerOps
 from pagedllm.model.linear import observe_inputs

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, TensorParallelError
 from pagedllm.loader import LoadedModel
 from pagedllm.model.sharding import check_tensor_parallel, shard_weights
 from pagedllm.worker.model_runner import TorchModelRunner
@@ -50,10 +50,6 @@ from pagedllm.worker.tp_worker import (
 logger = logging.getLogger("pagedllm")
 T = TypeVar("T")
 STOP_SECONDS = 10.0  # how long workers get to leave after Stop before they are terminated
-
-
-class TensorParallelError(RuntimeError):
-    """The tensor-parallel group failed (a rank died, hung or raised)."""
 
 
 def backend_for(device: str, size: int) -> str:
