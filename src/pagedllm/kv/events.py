@@ -31,7 +31,7 @@ Replaying them in order from the pool they started from gives the pool exactly
   text     block text                    (only when text is asked for) the block's tokens
 
 Events of one engine step are grouped in a record `{"step": n, "ev": [...], "st": {...}}`
-with the step's figures in `st` (engine/kv_view.py).
+with the step's figures in `st` (engine/kv_recorder.py).
 """
 
 from __future__ import annotations
