@@ -287,6 +287,25 @@ class LLMEngine:
         if step.is_empty:
             return []
         self.num_steps += 1
+        rows, failed = self._rows_of(step)
+        try:
+            sampled = self.runner.execute(step, rows.rows)
+        except Exception as exc:
+            return self._forward_failed(step, rows, exc)
+        self.scheduler.update_from_output(step)
+        # Forked once the prompt's blocks are hashed: the samples inherit the hashes
+        # instead of hashing the prompt again each.
+        self._fork(rows.forks)
+        ran = self.snapshot()
+        outputs = self._process(sampled, rows, failed)
+        self._step_ended(step, outputs, ran)
+        return outputs
+
+    def _rows_of(
+        self, step: SchedulerOutput
+    ) -> tuple[_StepRows, dict[str, tuple[Request, BaseException]]]:
+        """The rows to draw, following the scheduled sequences that need logits in order,
+        and the requests whose rows could not be built (they fail after the step)."""
         rows = _StepRows()
         failed: dict[str, tuple[Request, BaseException]] = {}
         logits_row = 0
@@ -300,30 +319,24 @@ class LLMEngine:
             except Exception as exc:
                 failed[req.request_id] = (req, exc)
             logits_row += 1
-        try:
-            sampled = self.runner.execute(step, rows.rows)
-        except Exception as exc:
-            # Forked even so: the runner may have seeded generators for the samples, and
-            # it drops them only for sequences the request held when it ended.
-            self._fork(rows.forks)
-            logger.exception(
-                "the forward pass failed; failing the %d requests of the step",
-                len(step.request_ids),
-            )
-            outputs = [
-                self._fail(req, exc)
-                for request_id in step.request_ids
-                if (req := self.scheduler.requests.get(request_id)) is not None
-            ]
-            self._step_ended(step, outputs, self.snapshot())
-            return outputs
-        self.scheduler.update_from_output(step)
-        # Forked once the prompt's blocks are hashed: the samples inherit the hashes
-        # instead of hashing the prompt again each.
+        return rows, failed
+
+    def _forward_failed(
+        self, step: SchedulerOutput, rows: _StepRows, exc: Exception
+    ) -> list[RequestOutput]:
+        """The shared forward pass failed: every request of the step fails, once."""
+        # Forked even so: the runner may have seeded generators for the samples, and it
+        # drops them only for sequences the request held when it ended.
         self._fork(rows.forks)
-        ran = self.snapshot()
-        outputs = self._process(sampled, rows, failed) if logits_row else []
-        self._step_ended(step, outputs, ran)
+        logger.exception(
+            "the forward pass failed; failing the %d requests of the step", len(step.request_ids)
+        )
+        outputs = [
+            self._fail(req, exc)
+            for request_id in step.request_ids
+            if (req := self.scheduler.requests.get(request_id)) is not None
+        ]
+        self._step_ended(step, outputs, self.snapshot())
         return outputs
 
     def _add_rows(self, rows: _StepRows, logits_row: int, req: Request, seq_id: int) -> None:
