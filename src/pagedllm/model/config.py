@@ -18,6 +18,13 @@ from pagedllm.model.families import hf_config_fields
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# Family fields that are None (unused) or a positive number.
+OPTIONAL_POSITIVE_FIELDS = (
+    "embedding_scale",
+    "query_pre_attn_scalar",
+    "local_rope_theta",
+    "final_logit_softcapping",
+)
 
 
 @dataclass(frozen=True)
@@ -98,12 +105,7 @@ class ModelConfig:
                 f"model config mlp_activation must be one of {', '.join(MLP_ACTIVATIONS)}, "
                 f"got {self.mlp_activation!r}"
             )
-        for name in (
-            "embedding_scale",
-            "query_pre_attn_scalar",
-            "local_rope_theta",
-            "final_logit_softcapping",
-        ):
+        for name in OPTIONAL_POSITIVE_FIELDS:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"model config {name} must be positive or None, got {value}")

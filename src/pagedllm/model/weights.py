@@ -10,12 +10,9 @@ to the weight here, so every norm computes w * x / rms(x).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from pagedllm.model.llama import LlamaForCausalLM
 
 
 def layer_norm_names(sandwich: bool) -> dict[str, str]:
@@ -33,8 +30,9 @@ def layer_norm_names(sandwich: bool) -> dict[str, str]:
     }
 
 
-def load_decoder_weights(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy `weights` (Hugging Face names) into `model`; a missing one is a ValueError."""
+def load_decoder_weights(model: Any, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy `weights` (Hugging Face names) into `model`, a LlamaForCausalLM (not imported:
+    it imports this module); a missing weight is a ValueError."""
     cfg = model.config
 
     def take(name: str) -> torch.Tensor:
