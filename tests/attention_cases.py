@@ -28,6 +28,20 @@ class Case:
         """Copies of the pool, for a backend that writes the new K/V into it."""
         return self.k_cache.clone(), self.v_cache.clone()
 
+    def poisoned_caches(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the pool with NaN in every cached slot behind the window of each
+        sequence's first new token: a kernel that reads none of them stays finite."""
+        k, v = self.fresh_caches()
+        meta, bs = self.meta, self.meta.block_size
+        qsl = meta.host_query_start_loc
+        for i, ctx in enumerate(meta.host_context_lens.tolist()):
+            first = ctx - int(qsl[i + 1] - qsl[i])  # position of the first new token
+            for pos in range(max(0, first - window + 1)):
+                block = int(meta.host_block_tables[i, pos // bs])
+                k[block, pos % bs] = float("nan")
+                v[block, pos % bs] = float("nan")
+        return k, v
+
 
 def make_case(
     shapes: list[tuple[int, int]],

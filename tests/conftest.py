@@ -29,6 +29,19 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A function: the tiny random model of a family (hf_oracle.FAMILIES), built once."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with SmolLM2's real tokenizer and chat template."""
     return build_chat_model(tmp_path_factory)

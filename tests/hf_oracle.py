@@ -1,5 +1,6 @@
-"""Tiny random Llama-family models saved with `save_pretrained`, and the transformers
-oracle for them: what tests import to build a model and check the engine against it."""
+"""Tiny random models of every supported family saved with `save_pretrained`, and the
+transformers oracle for them: what tests import to build a model and check the engine
+against it."""
 
 from __future__ import annotations
 
@@ -18,17 +19,49 @@ TINY = dict(
 )
 
 
-def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+# Per family: the transformers classes (by name) and what its tiny config adds to TINY.
+# The windowed ones use a window of 8 tokens, so that test prompts run well past it;
+# Gemma 3 mixes windowed and full layers (every second one full) with its own rope bases.
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=12),
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=4,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
+    ),
+}
 
-    torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, **overrides}))
-    else:
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    import transformers
+
+    if arch not in FAMILIES:
         raise ValueError(arch)
-    # Random init leaves biases at zero; make Qwen2's q/k/v biases matter.
+    config_cls, model_cls, extra = FAMILIES[arch]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
+    model = getattr(transformers, model_cls)(config)
+    # Random init leaves biases at zero and norms at one (Gemma's at zero): make them
+    # matter, so that a bias or norm applied wrongly shows in the logits.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

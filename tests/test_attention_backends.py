@@ -29,14 +29,18 @@ needs_cpu_kernel = pytest.mark.skipif(
 HALF = (torch.float16, torch.bfloat16)
 
 
-def run_both(case: Case, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
-    """The reference's and the CPU kernel's outputs, and their caches after the write."""
+def run_both(
+    case: Case, heads: int, kv_heads: int, window: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The reference's and the CPU kernel's outputs, and their caches after the write;
+    with a window, the kernel runs on a pool poisoned behind it (it must not read there)."""
     k_ref, v_ref = case.fresh_caches()
-    k_cpu, v_cpu = case.fresh_caches()
+    k_cpu, v_cpu = case.fresh_caches() if window is None else case.poisoned_caches(window)
     ref = ReferenceAttention(case.scale)
     cpu = CpuPagedAttention(kv_heads, case.scale, load_cpu_ops().paged_attention)
-    expected = ref(case.query, case.key, case.value, k_ref, v_ref, ref.prepare(case.meta))
-    got = cpu(case.query, case.key, case.value, k_cpu, v_cpu, cpu.prepare(case.meta))
+    q, k, v = case.query, case.key, case.value
+    expected = ref(q, k, v, k_ref, v_ref, ref.prepare(case.meta), window)
+    got = cpu(q, k, v, k_cpu, v_cpu, cpu.prepare(case.meta), window)
     return expected, got, k_ref, k_cpu, v_ref, v_cpu
 
 
@@ -50,7 +54,7 @@ shapes = st.lists(
 
 
 @needs_cpu_kernel
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shapes=shapes,
     block_size=st.sampled_from([1, 8, 16, 32]),
@@ -58,8 +62,13 @@ shapes = st.lists(
     head_dim=st.sampled_from([64, 128]),
     cache_dtype=st.sampled_from([torch.float32, *HALF]),
     seed=st.integers(0, 2**16),
+    window=st.sampled_from([None, None, 1, 3, 8, 16, 40, 100]),
 )
-def test_cpu_kernel_equals_reference(shapes, block_size, gqa, head_dim, cache_dtype, seed) -> None:
+def test_cpu_kernel_equals_reference(
+    shapes, block_size, gqa, head_dim, cache_dtype, seed, window
+) -> None:
+    """With a window, keys behind each query's window are masked, and the kernel reads
+    none of those behind its first row's window (NaN in its pool)."""
     heads, kv_heads = gqa
     case = make_case(
         shapes,
@@ -70,11 +79,51 @@ def test_cpu_kernel_equals_reference(shapes, block_size, gqa, head_dim, cache_dt
         seed=seed,
         cache_dtype=cache_dtype,
     )
-    expected, got, k_ref, k_cpu, v_ref, v_cpu = run_both(case, heads, kv_heads)
+    expected, got, k_ref, k_cpu, v_ref, v_cpu = run_both(case, heads, kv_heads, window)
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(k_cpu.nan_to_num(7.0), k_ref.nan_to_num(7.0))
-    assert torch.equal(v_cpu.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    if window is None:  # else the kernel's pool was poisoned on purpose
+        assert torch.equal(k_cpu.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+        assert torch.equal(v_cpu.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+
+
+@needs_cpu_kernel
+def test_split_decodes_with_a_window_merge_exactly() -> None:
+    """Long decodes split along their context: the parts wholly behind the window are
+    empty, and the merge still equals the reference."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        case = make_case([(3000, 1), (700, 1)], heads=9, kv_heads=3, head_dim=64, block_size=16)
+        for window in (1, 50, 1000):
+            expected, got, *_ = run_both(case, 9, 3, window)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_reference_window_masks_exactly_the_keys_behind_it() -> None:
+    """The reference with window W equals dense attention over keys (p - W, p]."""
+    shapes = [(20, 1), (0, 12), (9, 7)]
+    case = make_case(shapes, heads=2, kv_heads=1, head_dim=8, block_size=4)
+    ref = ReferenceAttention(case.scale)
+    k_cache, v_cache = case.fresh_caches()
+    window = 5
+    out = ref(case.query, case.key, case.value, k_cache, v_cache, ref.prepare(case.meta), window)
+    meta, qsl = case.meta, case.meta.host_query_start_loc
+    for i, (cached, new) in enumerate(shapes):
+        ctx = cached + new
+        table = meta.host_block_tables[i]
+        slots = [int(table[j // 4]) * 4 + j % 4 for j in range(ctx)]
+        keys = k_cache.view(-1, 1, 8)[slots, 0]  # [ctx, d]
+        values = v_cache.view(-1, 1, 8)[slots, 0]
+        for r in range(new):
+            p = cached + r
+            q = case.query[int(qsl[i]) + r]  # [heads, d]
+            lo = max(0, p - window + 1)
+            scores = (q @ keys[lo : p + 1].T) * case.scale
+            expected = torch.softmax(scores, -1) @ values[lo : p + 1]
+            torch.testing.assert_close(out[int(qsl[i]) + r], expected, atol=1e-6, rtol=1e-5)
 
 
 @needs_cpu_kernel

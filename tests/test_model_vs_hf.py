@@ -47,14 +47,11 @@ def run_paged(path, prompts: list[list[int]], steps: int, block_size: int) -> li
     return logits_per_step, seqs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_logits_match_transformers(arch, block_size, tiny_llama_dir, tiny_qwen2_dir) -> None:
-    path = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+def assert_logits_match(path, block_size: int, steps: int = 20) -> None:
+    """Our logits equal transformers' (within 1e-4) after three prompts whose lengths
+    straddle block boundaries for every block size under test, and over `steps` decodes."""
     g = torch.Generator().manual_seed(block_size)
-    # Lengths that straddle block boundaries for every block size under test.
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (13, 31, 40)]
-    steps = 20
     ours, seqs = run_paged(path, prompts, steps, block_size)
     hf = load_hf(path)
     with torch.no_grad():
@@ -63,4 +60,10 @@ def test_logits_match_transformers(arch, block_size, tiny_llama_dir, tiny_qwen2_
             n = len(prompts[i])
             for step in range(steps + 1):
                 diff = (ours[step][i] - ref[n - 1 + step]).abs().max().item()
-                assert diff < 1e-4, f"seq {i} step {step}: max abs diff {diff}"
+                assert diff < 1e-4, f"{path.name} seq {i} step {step}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_logits_match_transformers(arch, block_size, tiny_llama_dir, tiny_qwen2_dir) -> None:
+    assert_logits_match(tiny_llama_dir if arch == "llama" else tiny_qwen2_dir, block_size)

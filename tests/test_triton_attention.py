@@ -31,7 +31,11 @@ from pagedllm.attention.triton_backend import TritonPagedAttention
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def compare(shapes, heads, kv_heads, head_dim, block_size, seed, cache_dtype, dtype) -> None:
+def compare(
+    shapes, heads, kv_heads, head_dim, block_size, seed, cache_dtype, dtype, window=None
+) -> None:
+    """Triton against the reference; with a window, Triton runs on a pool poisoned behind
+    it (NaN: it must read none of it)."""
     case = make_case(
         shapes,
         heads=heads,
@@ -44,16 +48,18 @@ def compare(shapes, heads, kv_heads, head_dim, block_size, seed, cache_dtype, dt
         device=DEVICE,
     )
     k_ref, v_ref = case.fresh_caches()
-    k_tri, v_tri = case.fresh_caches()
+    k_tri, v_tri = case.fresh_caches() if window is None else case.poisoned_caches(window)
     ref = ReferenceAttention(case.scale)
     tri = TritonPagedAttention(heads, kv_heads, head_dim, case.scale, torch.device(DEVICE))
-    expected = ref(case.query, case.key, case.value, k_ref, v_ref, ref.prepare(case.meta))
-    got = tri(case.query, case.key, case.value, k_tri, v_tri, tri.prepare(case.meta))
+    q, k, v = case.query, case.key, case.value
+    expected = ref(q, k, v, k_ref, v_ref, ref.prepare(case.meta), window)
+    got = tri(q, k, v, k_tri, v_tri, tri.prepare(case.meta), window)
     assert not got.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
-    assert torch.equal(k_tri.nan_to_num(7.0), k_ref.nan_to_num(7.0))
-    assert torch.equal(v_tri.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    if window is None:
+        assert torch.equal(k_tri.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+        assert torch.equal(v_tri.nan_to_num(7.0), v_ref.nan_to_num(7.0))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -69,6 +75,26 @@ def compare(shapes, heads, kv_heads, head_dim, block_size, seed, cache_dtype, dt
 )
 def test_triton_equals_reference(shapes, block_size, gqa, head_dim, cache_dtype, seed) -> None:
     compare(shapes, *gqa, head_dim, block_size, seed, cache_dtype, torch.float32)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shapes=st.lists(
+        st.tuples(st.integers(0, 120), st.sampled_from([1, 1, 3, 17, 33])), min_size=1, max_size=3
+    ),
+    block_size=st.sampled_from([1, 8, 16]),
+    gqa=st.sampled_from([(4, 4), (8, 2)]),
+    window=st.sampled_from([1, 5, 8, 40]),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_with_a_window_equals_reference(shapes, block_size, gqa, window, seed) -> None:
+    compare(shapes, *gqa, 32, block_size, seed, torch.float32, torch.float32, window)
+
+
+def test_split_decode_with_a_window_is_merged_exactly() -> None:
+    """The split parts wholly behind the window are empty; the merge still equals."""
+    for window in (1, 100):
+        compare([(1200, 1)], 8, 2, 64, 16, 1, torch.float32, torch.float32, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -98,13 +124,15 @@ def test_split_decode_is_merged_exactly(monkeypatch: pytest.MonkeyPatch) -> None
     assert merge.launches == 2
 
 
-def test_the_engine_on_triton_generates_what_the_reference_does(tiny_llama_dir) -> None:
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_engine_on_triton_generates_what_the_reference_does(arch, family_dir) -> None:
+    """Gemma 3 mixes windowed (8 tokens) and full layers, past the window."""
     prompts = [[1, 2, 3, 4, 5], [7] * 40, [9, 8, 7]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outputs = {}
     for backend in ("reference", "triton"):
         llm = LLM(
-            str(tiny_llama_dir),
+            str(family_dir(arch)),
             device=DEVICE,
             attention_backend=backend,
             block_size=8,

@@ -2,7 +2,8 @@
 
 Same interface as the reference backend: write the step's new K/V into their slots,
 then one kernel call attends the whole flat batch (decode and chunked-prefill rows) by
-reading K/V through the block tables, with no gather into a contiguous copy. The work
+reading K/V through the block tables, with no gather into a contiguous copy; a layer's
+attention window, if any, comes with its call (the kernel reads nothing behind it). The work
 list the kernel follows is built once per step (`prepare`, cpu_plan.py).
 """
 
@@ -39,7 +40,9 @@ class CpuPagedAttention:
         k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         plan: CpuPlan,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """`window`: the layer's attention window in tokens (None: full attention)."""
         meta = plan.meta
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         q = query.float()  # the kernel computes in fp32 whatever the model dtype
@@ -59,5 +62,6 @@ class CpuPagedAttention:
             plan.items,
             plan.merges,
             self.scale,
+            window or 0,
         )
         return out.to(query.dtype)

@@ -3,7 +3,8 @@
 It writes the step's new K/V into their slots, then for each group of sequences (its
 per-step plan, reference_plan.py) gathers their context through the block tables and runs
 one batched scaled-dot-product attention: causal over the new tokens, full over the
-cached ones. This is the oracle every faster
+cached ones, or within the layer's attention window when it has one (keys at positions
+(p - W, p] for a query at p, the convention of transformers). This is the oracle every faster
 backend is tested against, and the CPU path.
 """
 
@@ -81,11 +82,13 @@ class ReferenceAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         plan: ReferencePlan,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """`window`: the layer's attention window in tokens (None: full attention)."""
         write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
         out = torch.empty_like(query)
-        for group in plan.groups:  # a few: decodes by context length, and prompt chunks
-            self._attend(query, k_cache, v_cache, group, out)
+        for i, group in enumerate(plan.groups):  # a few: decodes by context, prompt chunks
+            self._attend(query, k_cache, v_cache, group, plan.bias(i, window), out)
         return out
 
     def _attend(
@@ -94,6 +97,7 @@ class ReferenceAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         group: AttentionGroup,
+        bias: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
         q = query[group.token_index].transpose(1, 2)  # [G, heads, Lq, d]
@@ -107,7 +111,7 @@ class ReferenceAttention:
         k = k.masked_fill_(group.key_pad, 0.0).to(q.dtype)
         v = v.masked_fill_(group.key_pad, 0.0).to(q.dtype)
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=group.attn_bias.to(q.dtype), scale=self.scale, enable_gqa=True
+            q, k, v, attn_mask=bias.to(q.dtype), scale=self.scale, enable_gqa=True
         ).transpose(1, 2)  # [G, Lq, heads, d]
         if group.is_decode:
             out[group.token_index[:, 0]] = o[:, 0]

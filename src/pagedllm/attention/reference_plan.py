@@ -8,7 +8,7 @@ from the common metadata (`ReferenceAttention.prepare`), read by every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,12 +33,34 @@ class AttentionGroup:
     # (stale K/V, or NaN in fresh memory) and must not reach the softmax, even masked.
     # Stored inverted, ready for masked_fill_, so no layer computes the negation again.
     key_pad: torch.Tensor
+    # [G, 1, Lq, 1] position of each query (pads: 0), for the masks of windowed layers.
+    query_pos: torch.Tensor
+
+    def window_bias(self, window: int) -> torch.Tensor:
+        """attn_bias with keys behind the window also masked: key j is visible to a query
+        at position p iff p - window < j <= p."""
+        keys = torch.arange(self.max_context_len, device=self.attn_bias.device)
+        behind = keys[None, None, None, :] <= self.query_pos - window
+        return self.attn_bias.masked_fill(behind, float("-inf"))
 
 
 @dataclass(frozen=True)
 class ReferencePlan:
     meta: AttentionMetadata
     groups: tuple[AttentionGroup, ...]
+    # (group index, window) -> that group's mask for windowed layers, built by the first
+    # such layer of the step and reused by the others.
+    window_biases: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def bias(self, index: int, window: int | None) -> torch.Tensor:
+        """Group `index`'s additive mask for a layer with this window (None: none)."""
+        group = self.groups[index]
+        if window is None:
+            return group.attn_bias
+        key = (index, window)
+        if key not in self.window_biases:
+            self.window_biases[key] = group.window_bias(window)
+        return self.window_biases[key]
 
 
 def _context_buckets(members: torch.Tensor, context_lens: torch.Tensor) -> list[torch.Tensor]:
@@ -84,6 +106,7 @@ def _group(meta: AttentionMetadata, members: torch.Tensor) -> AttentionGroup:
         key_pad=(torch.arange(max_ctx)[None, :] >= context_lens[members][:, None])[
             :, None, :, None
         ].to(device),
+        query_pos=query_pos[:, None, :, None].to(device),
     )
 
 

@@ -33,11 +33,12 @@ class TimedAttention:
         self.seconds += time.perf_counter() - start
         return plan
 
-    def __call__(self, query: torch.Tensor, *rest: Any) -> torch.Tensor:
-        """The inner backend's call (query, key, value, k_cache, v_cache, plan), timed."""
+    def __call__(self, query: torch.Tensor, *rest: Any, **options: Any) -> torch.Tensor:
+        """The inner backend's call (query, key, value, k_cache, v_cache, plan, window),
+        timed."""
         self._sync(query.device)
         start = time.perf_counter()
-        out = self.inner(query, *rest)
+        out = self.inner(query, *rest, **options)
         self._sync(query.device)
         self.seconds += time.perf_counter() - start
         return out

@@ -94,7 +94,9 @@ class TritonPagedAttention:
         k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         plan: TritonPlan,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """`window`: the layer's attention window in tokens (None: full attention)."""
         # The kernels take any row strides but need each head's vector contiguous.
         query, key, value = (
             t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value)
@@ -129,6 +131,7 @@ class TritonPagedAttention:
             k_cache.shape[1],
             self.head_dim,
             plan.keys_per_split,
+            window or 0,
             GROUP=self.group,
             GROUP_P=group_p,
             BLOCK_Q=plan.block_q,
@@ -137,6 +140,7 @@ class TritonPagedAttention:
             HEAD_DIM_P=self.head_dim_p,
             SPLIT=splits > 1,
             DOT_FP32=query.dtype == torch.float32 or INTERPRETED,
+            HAS_WINDOW=window is not None,
         )
         if splits > 1:
             merge_splits_kernel[(num_tiles, self.num_kv_heads)](

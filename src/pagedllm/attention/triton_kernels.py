@@ -6,7 +6,10 @@ the query heads that share that KV head are the rows of one matrix, so K/V are l
 for all of them. It loops over KV tiles, loading each key's physical block id from the
 block table (as int64), K/V with masked loads (`other=0`: unused slots may hold stale data
 or NaN), with an online softmax in fp32. With SPLIT, a program covers one part of the
-context and leaves its unnormalised result for `merge_splits_kernel`.
+context and leaves its unnormalised result for `merge_splits_kernel`. With HAS_WINDOW (a
+layer whose queries see only the keys at positions (p - window, p]), a program starts at
+its first row's window, so no key tile wholly behind the window is read, and masks the
+rest per row; without it the kernel is compiled exactly as before.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ def paged_attention_kernel(
     block_size,
     head_dim,
     keys_per_split,
+    window,  # HAS_WINDOW: the layer's attention window in tokens
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -95,6 +99,7 @@ def paged_attention_kernel(
     HEAD_DIM_P: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,  # dots in exact fp32, else in the query's half dtype
+    HAS_WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -125,6 +130,8 @@ def paged_attention_kernel(
     if SPLIT:
         kv_start = tl.program_id(2) * keys_per_split
         kv_end = tl.minimum(kv_end, kv_start + keys_per_split)
+    if HAS_WINDOW:  # nothing before the first row's window is read
+        kv_start = tl.maximum(kv_start, first_pos + row0 - window + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -142,6 +149,8 @@ def paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)
         s = _dot(q, k, DOT_FP32)
         visible = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet

@@ -18,8 +18,11 @@ import torch
 from pagedllm.errors import ModelLoadError
 from pagedllm.loader.loaded import LoadedModel, check_weights
 from pagedllm.loader.tokenizer import load_gguf_tokenizer
-from pagedllm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedllm.model.config import ModelConfig
 
+# What this loader reads; the other supported families load from Hugging Face directories.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+HF_ONLY_ARCHITECTURES = ("qwen3", "phi3", "gemma3", "gemma3_text")
 # Architectures whose Q/K rows llama.cpp's converter permutes (LlamaModel and its subclasses).
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -135,10 +138,21 @@ def _rope_scaling(meta: _Metadata, arch: str) -> dict[str, Any] | None:
 def gguf_config(meta: _Metadata, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     """The ModelConfig described by a GGUF's metadata (and which tensors it holds)."""
     arch = meta.require("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch in HF_ONLY_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{meta.path}: GGUF files of architecture {arch!r} are not supported yet "
+            f"(GGUF supports: {', '.join(GGUF_ARCHITECTURES)}); load the model's Hugging Face "
+            "directory (config.json and *.safetensors) instead"
+        )
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"{meta.path}: unsupported GGUF architecture {arch!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    if meta.get(f"{arch}.attention.sliding_window"):
+        raise ModelLoadError(
+            f"{meta.path}: attention windows (sliding_window) in GGUF files are not supported "
+            "yet; load the model's Hugging Face directory instead"
         )
     hidden = int(meta.require(f"{arch}.embedding_length"))
     heads = int(meta.require(f"{arch}.attention.head_count"))

@@ -1,7 +1,8 @@
 """Load a Hugging Face model directory: `config.json`, `*.safetensors` shards, tokenizer files.
 
 Shards are found through `model.safetensors.index.json` when present, else by globbing. Weights
-are converted to float32; a tied `lm_head.weight` is dropped (the model reuses the embeddings).
+are converted to float32; a tied `lm_head.weight` is dropped (the model reuses the embeddings);
+Phi-3's fused `qkv_proj` and `gate_up_proj` are split into the names the other families use.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pagedllm.errors import ModelLoadError
 from pagedllm.loader.loaded import LoadedModel, check_weights
 from pagedllm.loader.tokenizer import load_hf_tokenizer
 from pagedllm.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedllm.model.weights import split_fused_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -44,13 +46,13 @@ def hf_config(folder: str) -> ModelConfig:
     try:
         return ModelConfig.from_hf_dict(cfg)
     except ValueError as exc:
-        if "unsupported architecture" in str(exc):
+        if str(exc).startswith("unsupported architecture"):
             name = cfg.get("model_type") or cfg.get("architectures")
             raise ModelLoadError(
                 f"{config_path}: unsupported model architecture {name!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             ) from exc
-        raise ModelLoadError(f"{config_path}: invalid model config: {exc}") from exc
+        raise ModelLoadError(f"{config_path}: cannot load this model config: {exc}") from exc
     except (KeyError, TypeError) as exc:
         raise ModelLoadError(f"{config_path}: invalid model config: missing {exc}") from exc
 
@@ -105,6 +107,9 @@ def load_hf_dir(folder: str) -> LoadedModel:
     folder = os.path.abspath(folder)
     config = hf_config(folder)
     weights = load_hf_weights(folder)
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    split_fused_weights(weights, config.num_hidden_layers, q_size, kv_size)  # Phi-3
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     check_weights(config, weights, folder)

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.weights import layer_norm_names
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,8 +44,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        for norm in layer_norm_names(config.sandwich_norms).values():
+            shapes[f"{p}{norm}.weight"] = (hidden,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "self_attn.q_proj.weight"] = (q_dim, hidden)
         shapes[p + "self_attn.k_proj.weight"] = (kv_dim, hidden)
         shapes[p + "self_attn.v_proj.weight"] = (kv_dim, hidden)

@@ -1,4 +1,5 @@
-"""Llama-family decoders that read and write a paged KV cache.
+"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 3), reading
+and writing a paged KV cache.
 
 Nothing here imports the scheduler, the block manager or the engine: a forward takes
 its attention metadata as an argument.

@@ -62,6 +62,11 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's gated MLP: gelu(gate) (tanh approximation) * up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class CompiledLayerOps(TorchLayerOps):
     name = "compiled"

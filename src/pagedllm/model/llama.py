@@ -1,15 +1,22 @@
-"""LlamaForCausalLM: the Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) over a
-flat batch of tokens from many sequences, with no padding.
+"""LlamaForCausalLM: the common decoder of every supported family (Llama, SmolLM,
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) over a flat batch of tokens from many sequences,
+with no padding.
 
+The families are the same layer with a few switches read from ModelConfig: q/k norm
+before rope, norms after attention and MLP too ("sandwich"), the MLP's activation, an
+embedding scale, the attention scale, a per-layer attention window and rope base, and
+a final logit soft cap. Gemma's (1 + w) norms are folded into the weights at load.
 `forward(input_ids, positions, kv_caches, attn_metadata)` returns the final hidden
 states; `compute_logits` projects only the rows that need logits. The attention backend
-plans the step once (`prepare`) and every layer reads that plan. Q/K/V and gate/up
-projections are fused into one matmul each. Under tensor parallelism the model is built
-from one rank's share (model/sharding.py) and a ParallelContext sums the shares.
+plans the step once (`prepare`) and every layer reads that plan, with its own window.
+Q/K/V and gate/up projections are fused into one matmul each. Under tensor parallelism
+the model is built from one rank's share (model/sharding.py) and a ParallelContext sums
+the shares.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +32,7 @@ from pagedllm.model.layer_ops import TorchLayerOps
 from pagedllm.model.linear import DenseLinear, quantize_linears
 from pagedllm.model.parallel import ParallelContext
 from pagedllm.model.rotary import RotaryEmbedding
+from pagedllm.model.weights import load_decoder_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -46,6 +54,7 @@ class DecoderLayer(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
+        index: int,
         attention: AttentionBackend,
         rotary: RotaryEmbedding,
         ops: TorchLayerOps,
@@ -58,13 +67,20 @@ class DecoderLayer(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        eps, hidden, inter = cfg.rms_norm_eps, cfg.hidden_size, cfg.intermediate_size
+        self.input_layernorm = RMSNorm(hidden, eps)  # before attention
+        self.post_attention_layernorm = RMSNorm(hidden, eps)  # before the MLP
+        # Optional parts of the families: None where the family has none.
+        self.q_norm = RMSNorm(self.head_dim, eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if cfg.qk_norm else None
+        self.attn_out_norm = RMSNorm(hidden, eps) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(hidden, eps) if cfg.sandwich_norms else None
         self.qkv = DenseLinear(hidden, q_size + 2 * kv_size, cfg.attention_bias, ops)
         self.o_proj = DenseLinear(q_size, hidden, ops=ops)
         self.gate_up = DenseLinear(hidden, 2 * inter, ops=ops)
         self.down = DenseLinear(inter, hidden, ops=ops)
+        self.gelu = cfg.mlp_activation == "gelu_tanh"
+        self.window = cfg.layer_window(index)  # tokens, or None: full attention
         self.attention = attention
         self.rotary = rotary
         self.ops = ops
@@ -87,17 +103,35 @@ class DecoderLayer(nn.Module):
         else:
             x = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         qkv = self.qkv(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads(qkv, self.q_norm, 0, self.num_heads)
+            self._norm_heads(qkv, self.k_norm, self.num_heads, self.num_kv_heads)
         rope = self.rotary
         ops.rotary(positions, qkv, rope.cos, rope.sin, *self.split_heads)
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        attn = self.attention(q, k, v, kv_cache[0], kv_cache[1], plan)
-        norm = self.post_attention_layernorm
+        attn = self.attention(q, k, v, kv_cache[0], kv_cache[1], plan, self.window)
         out = self._sum(self.o_proj(attn.reshape(t, -1)))
+        if self.attn_out_norm is not None:
+            out = ops.rms_norm(out, self.attn_out_norm.weight, self.attn_out_norm.eps)
+        norm = self.post_attention_layernorm
         x = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
-        return self._sum(self.down(ops.silu_and_mul(self.gate_up(x)))), residual
+        gate_up = self.gate_up(x)
+        act = ops.gelu_tanh_and_mul(gate_up) if self.gelu else ops.silu_and_mul(gate_up)
+        out = self._sum(self.down(act))
+        if self.mlp_out_norm is not None:
+            out = ops.rms_norm(out, self.mlp_out_norm.weight, self.mlp_out_norm.eps)
+        return out, residual
+
+    def _norm_heads(self, qkv: torch.Tensor, norm: RMSNorm, first: int, heads: int) -> None:
+        """RMS-normalise heads [first, first + heads) of the fused projection in place,
+        each head's vector on its own (Qwen3's and Gemma 3's q/k norm)."""
+        d = self.head_dim
+        part = qkv[:, first * d : (first + heads) * d]
+        normed = self.ops.rms_norm(part.reshape(-1, d), norm.weight, norm.eps)
+        part.copy_(normed.view(part.shape))
 
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
         """A row-split projection's output: a partial sum on each rank, added up."""
@@ -124,13 +158,23 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         ops = ops or TorchLayerOps()
         if attention is None:
-            attention = ReferenceAttention(scale=config.head_dim**-0.5)
+            attention = ReferenceAttention(scale=config.attention_scale)
         self.attention = attention
         self.rotary = RotaryEmbedding(config)
+        # Gemma 3's windowed layers: their own rope base, unscaled.
+        self.local_rotary = None
+        if config.local_rope_theta is not None and config.layer_windows is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.local_rope_theta, rope_scaling=None
+            )
+            self.local_rotary = RotaryEmbedding(local)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
+        # A float32 scalar, cast to the model's dtype with the model (as transformers does).
+        scale = torch.tensor(config.embedding_scale or 1.0, dtype=torch.float32)
+        self.register_buffer("embed_scale", scale, persistent=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention, self.rotary, ops, parallel)
-            for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, i, attention, self._rotary_of(i), ops, parallel)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ops = ops
@@ -138,6 +182,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = DenseLinear(config.hidden_size, config.vocab_size, ops=ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens  # one tensor, two uses
+
+    def _rotary_of(self, layer: int) -> RotaryEmbedding:
+        local = self.local_rotary is not None and self.config.layer_window(layer) is not None
+        return self.local_rotary if local and self.local_rotary is not None else self.rotary
 
     @torch.inference_mode()
     def forward(
@@ -149,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         embed = F.embedding if self.parallel is None else self.parallel.embed
         hidden, residual = embed(input_ids, self.embed_tokens), None
+        if self.config.embedding_scale is not None:
+            hidden = hidden * self.embed_scale.to(hidden.dtype)
         plan = self.attention.prepare(attn_metadata)  # once for every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, kv_cache, plan)
@@ -160,7 +210,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) of the given rows of final hidden states."""
         logits = self.lm_head(hidden).float()
-        return logits if self.parallel is None else self.parallel.gather_logits(logits)
+        if self.parallel is not None:
+            logits = self.parallel.gather_logits(logits)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def quantize_int8(
         self, input_amax: dict[str, torch.Tensor] | None = None, ops: Any = None
@@ -172,35 +225,4 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up."""
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"weight {name!r} is missing from the checkpoint")
-            return weights[name]
-
-        with torch.no_grad():
-            self.embed_tokens.copy_(take("model.embed_tokens.weight"))
-            self.norm.weight.copy_(take("model.norm.weight"))
-            if not self.config.tie_word_embeddings:
-                self.lm_head.weight.copy_(take("lm_head.weight"))
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                a = p + "self_attn."
-                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-                layer.post_attention_layernorm.weight.copy_(
-                    take(p + "post_attention_layernorm.weight")
-                )
-                layer.qkv.weight.copy_(
-                    torch.cat([take(f"{a}{n}_proj.weight") for n in "qkv"], dim=0)
-                )
-                if layer.qkv.bias is not None:
-                    layer.qkv.bias.copy_(
-                        torch.cat([take(f"{a}{n}_proj.bias") for n in "qkv"], dim=0)
-                    )
-                layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
-                layer.gate_up.weight.copy_(
-                    torch.cat(
-                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
-                    )
-                )
-                layer.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+        load_decoder_weights(self, weights)

@@ -67,6 +67,7 @@ class TorchModelRunner:
             cfg.num_key_value_heads,
             cfg.head_dim,
             self.device,
+            cfg.attention_scale,
         )
         self._timed = TimedAttention(attention) if profile_attention else None
         self.attention: AttentionBackend = self._timed or attention

@@ -10,6 +10,11 @@
 // softmax and fp32 accumulators. Decode rows the list split along their context are
 // merged by log-sum-exp. Threads come from torch's own pool (at::parallel_for).
 //
+// A layer with an attention window W (window > 0) lets the query at position p see the
+// keys at positions (p - W, p] only: an item starts at its first row's window, so whole
+// chunks behind the window are never read, and each row masks the keys of a chunk that
+// fall before its own window. window = 0: full causal attention, as before.
+//
 // Requires AVX2, FMA and F16C; head_dim must be a multiple of 8.
 
 #include <ATen/Parallel.h>
@@ -64,6 +69,7 @@ struct Problem {
   int num_kv_heads;
   int head_dim;
   float scale;
+  int64_t window;  // attention window in tokens; 0: none
 };
 
 // One unit of work: sequence b, KV heads [g0, g1), query rows [row0, row0 + rows), keys
@@ -206,8 +212,10 @@ void accumulate_rows(float* acc, const float* p, const float* const* vrow, int n
 // The online-softmax update of query vector m with this chunk's scores `sm` (visible
 // keys first, the rest masked): sm becomes p, acc and the sum are rescaled; then, unless
 // the caller accumulates for several vectors at once, acc += p . V.
+// Keys before `hidden` (behind the row's window) are masked too; their p is 0.
 inline void softmax_step(Scratch& sc, int m, float* sm, int visible, const float* const* vrow,
-                         int d, bool accumulate_here = true) {
+                         int d, bool accumulate_here = true, int hidden = 0) {
+  for (int j = 0; j < hidden; ++j) sm[j] = kNegInf;
   for (int j = visible; j < kKeyChunk; ++j) sm[j] = kNegInf;
   const float chunk_max = std::max(hmax(_mm256_loadu_ps(sm)), hmax(_mm256_loadu_ps(sm + 8)));
   const float m_new = std::max(sc.m[m], chunk_max);
@@ -266,6 +274,8 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
   const float* krow[kKeyChunk];
   const float* vrow[kKeyChunk];
   int64_t k0 = it.key_begin;
+  // With a window, nothing before the first row's window start is read.
+  if (pb.window > 0) k0 = std::max(k0, first_pos + it.row0 - pb.window + 1);
   while (k0 < key_end) {
     // A chunk never crosses a block boundary: its rows sit at one stride in one block.
     const int64_t in_block = k0 % pb.block_size;
@@ -295,12 +305,17 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
       // its heads together; other tiles one query vector at a time.
       const bool together = it.rows == 1 && group <= 4 && d % 32 == 0;
       for (int r = 0; r < it.rows; ++r) {
-        const int64_t visible = std::min<int64_t>(n, first_pos + it.row0 + r + 1 - k0);
+        const int64_t pos = first_pos + it.row0 + r;
+        const int64_t visible = std::min<int64_t>(n, pos + 1 - k0);
         if (visible <= 0) continue;  // the row's position is before this chunk
+        // Keys of this chunk behind the row's window (later rows' windows start later).
+        const int64_t hidden = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1 - k0) : 0;
+        if (hidden >= visible) continue;  // the whole chunk is behind the row's window
         for (int i = 0; i < group; ++i) {
           const int m = mg + r * group + i;
           float* sm = sc.s.data() + m * kKeyChunk;
-          softmax_step(sc, m, sm, static_cast<int>(visible), vrow, d, !together);
+          softmax_step(sc, m, sm, static_cast<int>(visible), vrow, d, !together,
+                       static_cast<int>(hidden));
         }
         if (together) {
           const int vis = static_cast<int>(visible);
@@ -388,7 +403,8 @@ void run(const Problem& pb, const std::vector<WorkItem>& items, const std::vecto
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     const at::Tensor& work_items, const at::Tensor& merges, double scale) {
+                     const at::Tensor& work_items, const at::Tensor& merges, double scale,
+                     int64_t window) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "query and out must be float32");
   TORCH_CHECK(query.stride(2) == 1 && out.is_contiguous() && k_cache.is_contiguous() &&
@@ -414,6 +430,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   pb.head_dim = static_cast<int>(k_cache.size(3));
   pb.num_heads = static_cast<int>(query.size(1));
   pb.scale = static_cast<float>(scale);
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or a positive number of tokens");
+  pb.window = window;
   TORCH_CHECK(pb.head_dim % 8 == 0, "head_dim must be a multiple of 8");
   TORCH_CHECK(pb.num_heads % pb.num_kv_heads == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(work_items.scalar_type() == at::kLong && work_items.is_contiguous() &&
@@ -449,7 +467,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor work_items, "
-      "Tensor merges, float scale) -> ()");
+      "Tensor merges, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
