@@ -150,7 +150,6 @@ def test_unsupported_chat_input_is_refused_by_name(server: LiveServer) -> None:
         ("tool_choice", "auto"),
         ("functions", [tool["function"]]),
         ("function_call", "auto"),
-        ("response_format", {"type": "json_object"}),
     ]:
         check_error(chat(server, **{field: value}), 400, param=field, code="unsupported_parameter")
     check_error(completion(server, prompt="Hi", suffix="!"), 400, param="suffix")

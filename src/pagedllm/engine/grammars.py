@@ -47,9 +47,10 @@ class Grammars:
                 )
             return self._compiler
 
-    def compile(self, spec: StructuredOutputs) -> Any:
-        """The compiled grammar (cached); InvalidParameterError naming the field."""
-        return self.compiler.compile(spec)
+    def compile(self, spec: StructuredOutputs, param: str | None = None) -> Any:
+        """The compiled grammar (cached); InvalidParameterError naming `param` (default
+        `structured_outputs.<kind>`)."""
+        return self.compiler.compile(spec, param)
 
     def start(self, spec: StructuredOutputs) -> GrammarState:
         """A matcher at the start of `spec`'s grammar (compiled now unless cached)."""

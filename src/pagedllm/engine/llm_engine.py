@@ -207,11 +207,12 @@ class LLMEngine:
             listener.on_abort(request_id)
         return True
 
-    def compile_grammar(self, spec: StructuredOutputs) -> None:
+    def compile_grammar(self, spec: StructuredOutputs, param: str | None = None) -> None:
         """Compile `spec` into the engine's grammar cache, so that add_request finds it;
-        InvalidParameterError names the field if it cannot be compiled. Safe from any
-        thread: the server calls it on its tokenizer thread, off the engine's."""
-        self.grammars.compile(spec)
+        InvalidParameterError names `param` (default `structured_outputs.<kind>`) if it
+        cannot be compiled. Safe from any thread: the server calls it on its tokenizer
+        thread, off the engine's."""
+        self.grammars.compile(spec, param)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -60,31 +60,32 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         # grammars refused (invalid, or too slow to compile): refused again at once, so
         # that repeating a pathological grammar never starts another compile
-        self._refused: OrderedDict[tuple[str, str], InvalidParameterError] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> why
         self._lock = threading.Lock()
         self._cache_size = cache_size
         self.num_compiles = 0  # compiles started (cache misses), for tests and figures
 
-    def compile(self, spec: StructuredOutputs) -> Any:
-        """The compiled grammar of `spec` (cached); InvalidParameterError naming
-        `structured_outputs.<kind>` if it cannot be compiled within `timeout_s`."""
+    def compile(self, spec: StructuredOutputs, param: str | None = None) -> Any:
+        """The compiled grammar of `spec` (cached); InvalidParameterError naming `param`
+        (default `structured_outputs.<kind>`) if it cannot be compiled within
+        `timeout_s`."""
         key = spec.key()
+        param = param or f"structured_outputs.{spec.kind}"
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-            if key in self._refused:
-                raise self._refused[key]
-            self.num_compiles += 1
-        try:
-            compiled = self._compile_bounded(key)
-        except InvalidParameterError as exc:
+            reason = self._refused.get(key)
+            if reason is None:
+                self.num_compiles += 1
+        if reason is None:
+            compiled, reason = self._compile_bounded(key)
             with self._lock:
-                _remember(self._refused, key, exc, self._cache_size)
-            raise
-        with self._lock:
-            _remember(self._cache, key, compiled, self._cache_size)
-        return compiled
+                if reason is None:
+                    _remember(self._cache, key, compiled, self._cache_size)
+                    return compiled
+                _remember(self._refused, key, reason, self._cache_size)
+        raise InvalidParameterError(param, f"{param} {reason}")
 
     def cached(self, spec: StructuredOutputs) -> bool:
         with self._lock:
@@ -96,12 +97,12 @@ class GrammarCompiler:
             xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None)
         )
 
-    def _compile_bounded(self, key: tuple[str, str]) -> Any:
-        """Compile on a daemon thread and wait at most `timeout_s`: the library cannot be
-        interrupted, so a compile past the bound runs on in the background, unwaited
-        (and its grammar is remembered as refused)."""
+    def _compile_bounded(self, key: tuple[str, str]) -> tuple[Any, str | None]:
+        """(the compiled grammar, None), or (None, why it cannot be used). Compiled on a
+        daemon thread, waited for at most `timeout_s`: the library cannot be interrupted,
+        so a compile past the bound runs on in the background, unwaited (and its grammar
+        is remembered as refused)."""
         kind, text = key
-        param = f"structured_outputs.{kind}"
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -115,16 +116,13 @@ class GrammarCompiler:
 
         threading.Thread(target=run, name="pagedllm-grammar", daemon=True).start()
         if not done.wait(self.timeout_s):
-            raise InvalidParameterError(
-                param,
-                f"{param}: the grammar did not compile within {self.timeout_s:g} s; "
-                "simplify it (fewer alternatives, bounded repetition)",
+            return None, (
+                f"did not compile within {self.timeout_s:g} s; simplify it (fewer "
+                "alternatives, bounded repetition)"
             )
         if "error" in box:
-            raise InvalidParameterError(
-                param, f"{param} cannot be used: {_clean(box['error'])}"
-            ) from None
-        return box["grammar"]
+            return None, f"cannot be used: {_clean(box['error'])}"
+        return box["grammar"], None
 
     def _compile(self, kind: str, text: str) -> Any:
         c = self._compiler

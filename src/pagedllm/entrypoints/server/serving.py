@@ -122,6 +122,12 @@ class Serving:
             req.check()
             params = req.sampling_params()
             prompts = await encode()
+            structured = req.structured()
+            if structured is not None:  # compiled here, so that the engine finds it cached
+                engine = self.engine.engine
+                await self.encoder.compile_grammar(
+                    lambda: engine.compile_grammar(structured.spec, structured.field)
+                )
             gen = await submit(self.engine, self.metrics, rid, prompts, params, arrival, client_id)
         logger.info(
             "request %s: %s, engine request %s, %d prompt(s)",

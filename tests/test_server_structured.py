@@ -1,0 +1,159 @@
+"""Structured output through the server, with the official `openai` client: chat's
+response_format (json_object, json_schema, and the client's `parse` with a pydantic
+model), vLLM's guided_* and structured_outputs fields on both endpoints, streamed and
+whole. The tiny random model's output parses only because the grammar held it. A grammar
+the server cannot compile is a 400 naming the client's field."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+import httpx
+import jsonschema
+from pydantic import BaseModel, Field
+
+from live_server import CHAT, NAME, LiveServer, check_error
+
+
+class Answer(BaseModel):
+    city: Literal["Paris", "Rome", "Oslo"]
+    rating: int = Field(ge=1, le=5)
+    tags: list[Literal["old", "big", "cold"]] = Field(max_length=2)
+    note: str = Field(max_length=8)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "word": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+    },
+    "required": ["ok", "count", "word"],
+    "additionalProperties": False,
+}
+
+
+def post(server: LiveServer, path: str, **body: Any) -> httpx.Response:
+    if path == "chat/completions":
+        body.setdefault("messages", CHAT)
+    else:
+        body.setdefault("prompt", "Hi")
+    return httpx.post(f"{server.url}/v1/{path}", json={"model": NAME, **body})
+
+
+def test_parse_with_a_pydantic_model(server: LiveServer) -> None:
+    client = server.client()
+    for seed in range(3):
+        completion = client.chat.completions.parse(
+            model=NAME,
+            messages=CHAT,  # type: ignore[arg-type]
+            response_format=Answer,
+            max_completion_tokens=80,
+            seed=seed,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Answer), choice.message.content
+    server.assert_pool_whole()
+
+
+def test_json_schema_and_json_object_on_chat(server: LiveServer) -> None:
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=CHAT,  # type: ignore[arg-type]
+        response_format=fmt,  # type: ignore[arg-type]
+        max_completion_tokens=60,
+        n=3,
+        seed=4,
+    )
+    for choice in r.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+    # Streamed: the deltas add up to a valid document.
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=CHAT,  # type: ignore[arg-type]
+        response_format=fmt,  # type: ignore[arg-type]
+        max_completion_tokens=60,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    # Any object; `}` favoured, so that the random model closes it at once.
+    close = server.engine.engine.tokenizer.convert_tokens_to_ids("}")
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=CHAT,  # type: ignore[arg-type]
+        response_format={"type": "json_object"},
+        max_completion_tokens=40,
+        temperature=0,
+        logit_bias={str(close): 30},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    assert r.choices[0].finish_reason == "stop"
+    server.assert_pool_whole()
+
+
+def test_vllm_fields_on_both_endpoints(server: LiveServer) -> None:
+    client = server.client()
+    regex = r"[0-9]{2}-[a-c]{3}"
+    r = client.completions.create(
+        model=NAME, prompt="Hi", max_tokens=20, n=2, extra_body={"guided_regex": regex}
+    )
+    assert all(re.fullmatch(regex, c.text) for c in r.choices), r.choices
+    r = client.completions.create(
+        model=NAME,
+        prompt="Hi",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+    )
+    assert r.choices[0].text in ("red", "blue")
+    r = client.completions.create(
+        model=NAME, prompt="Hi", max_tokens=60, extra_body={"guided_json": SCHEMA}
+    )
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    c = client.chat.completions.create(
+        model=NAME,
+        messages=CHAT,  # type: ignore[arg-type]
+        max_completion_tokens=20,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert c.choices[0].message.content in ("yes", "no")
+    c = client.chat.completions.create(
+        model=NAME,
+        messages=CHAT,  # type: ignore[arg-type]
+        max_completion_tokens=20,
+        extra_body={"guided_grammar": 'root ::= "a" [0-9] "z"'},
+    )
+    assert re.fullmatch("a[0-9]z", c.choices[0].message.content or "")
+    server.assert_pool_whole()
+
+
+def test_a_bad_grammar_is_a_400_naming_the_field(server: LiveServer) -> None:
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "zzz"}}}
+    chat, cmpl = "chat/completions", "completions"
+    for path, body, param in [
+        (chat, {"response_format": bad_schema}, "response_format.json_schema"),
+        (chat, {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (chat, {"response_format": {"type": "xml"}}, "response_format.type"),
+        (cmpl, {"guided_regex": "(unclosed"}, "guided_regex"),
+        (cmpl, {"guided_json": "{not json"}, "guided_json"),
+        (cmpl, {"guided_choice": []}, "guided_choice"),
+        (cmpl, {"guided_grammar": "root ::= "}, "guided_grammar"),
+        (cmpl, {"structured_outputs": {"regex": "(x"}}, "structured_outputs.regex"),
+        (cmpl, {"structured_outputs": {"rgx": "x"}}, "structured_outputs"),
+        (chat, {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        (chat, {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ]:
+        error = check_error(post(server, path, max_tokens=5, **body), 400, param=param)
+        assert ".cc:" not in error["message"], error
+    # The same bad grammar again: refused from the cache, still naming the field.
+    error = check_error(
+        post(server, chat, response_format=bad_schema), 400, param="response_format.json_schema"
+    )
+    assert error["message"].startswith("response_format.json_schema")
+    server.assert_pool_whole()
