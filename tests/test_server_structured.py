@@ -157,3 +157,116 @@ def test_a_bad_grammar_is_a_400_naming_the_field(server: LiveServer) -> None:
     )
     assert error["message"].startswith("response_format.json_schema")
     server.assert_pool_whole()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                "unit": {"enum": ["C", "F"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def check_calls(calls: Any, names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_tool_choice_named_and_required(server: LiveServer) -> None:
+    client = server.client()
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, names in [(named, {"get_time"}), ("required", {"get_weather", "get_time"})]:
+        for seed in range(2):
+            r = client.chat.completions.create(
+                model=NAME,
+                messages=CHAT,  # type: ignore[arg-type]
+                tools=[WEATHER, TIME],  # type: ignore[list-item]
+                tool_choice=choice,  # type: ignore[arg-type]
+                max_completion_tokens=120,
+                seed=seed,
+            )
+            (c,) = r.choices
+            assert c.finish_reason == "tool_calls" and c.message.content is None
+            check_calls(c.message.tool_calls, names)
+            if choice is named:
+                assert len(c.message.tool_calls or []) == 1
+    # Streamed: the call arrives whole in the last chunk.
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=CHAT,  # type: ignore[arg-type]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice=named,  # type: ignore[arg-type]
+        max_completion_tokens=60,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    check_calls(chunks[-1].choices[0].delta.tool_calls, {"get_time"})
+    # "none": the tools are ignored.
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=CHAT,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="none",
+        max_completion_tokens=5,
+    )
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+    server.assert_pool_whole()
+
+
+def test_tool_errors_name_the_field(server: LiveServer) -> None:
+    chat = "chat/completions"
+    bad_params = {"type": "function", "function": {"name": "f", "parameters": {"type": "zzz"}}}
+    named_f = {"type": "function", "function": {"name": "f"}}
+    for body, param, code in [
+        ({"tools": [WEATHER]}, "tool_choice", "unsupported_parameter"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+        ({"tool_choice": "required"}, "tool_choice", None),
+        ({"tools": [WEATHER], "tool_choice": named_f}, "tool_choice.function.name", None),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", None),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]", None),
+        ({"tools": [bad_params], "tool_choice": named_f}, "tools[0].function.parameters", None),
+        (
+            {"tools": [WEATHER, {**WEATHER}], "tool_choice": "required"},
+            "tools[1].function.name",
+            None,
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+            None,
+        ),
+    ]:
+        check_error(post(server, chat, max_tokens=5, **body), 400, param=param, code=code)
+    server.assert_pool_whole()

@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.engine.prompts import check_text
 from pagedllm.entrypoints.server.structured import Structured, from_fields
+from pagedllm.entrypoints.server.tools import ToolCalls, tool_calls
 from pagedllm.errors import UNSUPPORTED, InvalidParameterError
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputs
 
 
 class StreamOptions(BaseModel):
@@ -224,8 +225,6 @@ class ChatCompletionRequest(_SamplingRequest):
         # Asking for nothing (no tools, plain text) is fine; anything else would be ignored.
         _refuse(
             {
-                "tools": bool(self.tools),
-                "tool_choice": self.tool_choice not in (None, "none"),
                 "functions": bool(self.functions),
                 "function_call": self.function_call not in (None, "none"),
                 "audio": self.audio is not None,
@@ -250,6 +249,22 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def _response_format(self) -> dict[str, Any] | None:
         return self.response_format
+
+    def tool_calls(self) -> ToolCalls | None:
+        """The tool calls the request forces (tools + tool_choice), or None."""
+        return tool_calls(self.tools, self.tool_choice)
+
+    def structured(self) -> Structured | None:
+        asked = super().structured()
+        tools = self.tool_calls()
+        if tools is None:
+            return asked
+        if asked is not None:
+            raise InvalidParameterError(
+                asked.field,
+                f"{asked.field} cannot be combined with tool_choice {self.tool_choice!r}",
+            )
+        return Structured(StructuredOutputs(json=tools.schema), tools.field)
 
     def conversation(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's new name for "system"; chat templates know the old one
