@@ -199,44 +199,35 @@ def check_calls(calls: Any, names: set[str]) -> None:
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
+def with_tools(server: LiveServer, choice: Any, tokens: int, **options: Any) -> Any:
+    """A chat completion through the openai client, with both tools."""
+    return server.client().chat.completions.create(
+        model=NAME,
+        messages=CHAT,  # type: ignore[arg-type]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice=choice,
+        max_completion_tokens=tokens,
+        **options,
+    )
+
+
 def test_tool_choice_named_and_required(server: LiveServer) -> None:
-    client = server.client()
     named = {"type": "function", "function": {"name": "get_time"}}
     for choice, names in [(named, {"get_time"}), ("required", {"get_weather", "get_time"})]:
         for seed in range(2):
-            r = client.chat.completions.create(
-                model=NAME,
-                messages=CHAT,  # type: ignore[arg-type]
-                tools=[WEATHER, TIME],  # type: ignore[list-item]
-                tool_choice=choice,  # type: ignore[arg-type]
-                max_completion_tokens=120,
-                seed=seed,
-            )
+            r = with_tools(server, choice, 120, seed=seed)
             (c,) = r.choices
             assert c.finish_reason == "tool_calls" and c.message.content is None
             check_calls(c.message.tool_calls, names)
             if choice is named:
                 assert len(c.message.tool_calls or []) == 1
     # Streamed: the call arrives whole in the last chunk.
-    stream = client.chat.completions.create(
-        model=NAME,
-        messages=CHAT,  # type: ignore[arg-type]
-        tools=[WEATHER, TIME],  # type: ignore[list-item]
-        tool_choice=named,  # type: ignore[arg-type]
-        max_completion_tokens=60,
-        stream=True,
-    )
+    stream = with_tools(server, named, 60, stream=True)
     chunks = [c for c in stream if c.choices]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     check_calls(chunks[-1].choices[0].delta.tool_calls, {"get_time"})
     # "none": the tools are ignored.
-    r = client.chat.completions.create(
-        model=NAME,
-        messages=CHAT,  # type: ignore[arg-type]
-        tools=[WEATHER],  # type: ignore[list-item]
-        tool_choice="none",
-        max_completion_tokens=5,
-    )
+    r = with_tools(server, "none", 5)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
     server.assert_pool_whole()
 
