@@ -57,6 +57,11 @@ def test_parse_with_a_pydantic_model(server: LiveServer) -> None:
         choice = completion.choices[0]
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, Answer), choice.message.content
+        # in the schema's order, as OpenAI answers
+        assert list(json.loads(choice.message.content or "")) == list(Answer.model_fields)
+    # Compiled once, on the tokenizer thread: the engine's thread found it cached.
+    compiler = server.engine.engine.grammars.compiler
+    assert set(compiler.compiles_by_thread) == {"pagedllm-tokenizer_0"}
     server.assert_pool_whole()
 
 

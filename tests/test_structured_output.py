@@ -104,9 +104,17 @@ def test_structured_outputs_is_validated() -> None:
     assert e.value.param == "structured_outputs"
     as_dict = SamplingParams(structured_outputs={"regex": "a+"})  # type: ignore[arg-type]
     assert as_dict.structured_outputs == StructuredOutputs(regex="a+")
-    # One schema, one key, however it was written.
-    a = StructuredOutputs(json={"type": "object", "properties": {}})
-    assert a.key() == StructuredOutputs(json='{"properties": {}, "type": "object"}').key()
+    # One schema, one key, however it was spaced; the order of properties is kept (it is
+    # the output's order).
+    a = StructuredOutputs(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    assert (
+        a.key()
+        == StructuredOutputs(json='{"type":"object",\n "properties": {"b": {}, "a": {}}}').key()
+    )
+    assert (
+        a.key()
+        != StructuredOutputs(json={"type": "object", "properties": {"a": {}, "b": {}}}).key()
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))

@@ -132,11 +132,13 @@ class StructuredOutputs:
         return next(name for name in KINDS if getattr(self, name) not in (None, False))
 
     def key(self) -> tuple[str, str]:
-        """(kind, text): the same grammar gives the same key (the compile cache's)."""
+        """(kind, text): the same grammar gives the same key (the compile cache's). A
+        schema's text is compact but keeps its order: the output follows the order of
+        its properties."""
         kind = self.kind
         if kind == "json":
             schema = self.json if isinstance(self.json, dict) else _json.loads(str(self.json))
-            return kind, _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return kind, _json.dumps(schema, separators=(",", ":"))
         if kind == "choice":
             return kind, _json.dumps(list(self.choice or ()))
         if kind == "json_object":
