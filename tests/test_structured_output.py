@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import jsonschema
 import pytest
@@ -243,15 +244,25 @@ def test_a_grammar_failure_fails_only_its_request(llm: LLM) -> None:
     engine.add_request("victim", PROMPT, structured(json=SCHEMAS["enum"]))
     engine.add_request("survivor", "Hello there", plain)
     engine.add_request("other", PROMPT, structured(regex="[ab]{5}"))
-    victim = engine.grammars.get(engine.scheduler.requests["victim"].seqs[0].seq_id)
-    assert victim is not None
-    victim.accept = lambda token_id: False  # type: ignore[method-assign]  # rejects all
+    engine.add_request("broken", PROMPT, structured(choice=["x", "y"]))
+
+    def grammar_of(request_id: str) -> Any:
+        return engine.grammars.get(engine.scheduler.requests[request_id].seqs[0].seq_id)
+
+    # One matcher rejects every token (in the engine), one raises (in the sampler).
+    grammar_of("victim").accept = lambda token_id: False
+
+    def broken(bitmask: Any, row: int) -> None:
+        raise RuntimeError("matcher state lost")
+
+    grammar_of("broken").fill_bitmask = broken
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
     assert finals["victim"].error and "GrammarError" in finals["victim"].error
+    assert finals["broken"].error and "matcher state lost" in finals["broken"].error
     assert finals["survivor"].error is None
     assert finals["survivor"].outputs[0].token_ids == expected
     assert re.fullmatch("[ab]{5}", finals["other"].outputs[0].text)

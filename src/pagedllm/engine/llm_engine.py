@@ -14,9 +14,10 @@ matcher advances with each accepted token; when it accepts the grammar's end the
 sequence stops ("stop").
 
 A request's failure is its own: per-row work (sampling, grammar masks, detokenising, stop
-checks, beam bookkeeping) that raises fails only its request, and a failed forward pass fails only
-the requests of that step. A failed request is aborted (its blocks freed) and comes
-back as a finished RequestOutput with `error` set; the others go on as they would have.
+checks, beam bookkeeping) that raises fails only its request, and a failed forward pass
+fails only the requests of that step. A failed request is aborted (its blocks freed) and
+comes back as a finished RequestOutput with `error` set; the others go on as they would
+have.
 
 Outside code reads the engine through `snapshot()` and listens through `add_listener()`
 (engine/listeners.py) or `record_kv()`; nothing outside engine/ touches its scheduler,
