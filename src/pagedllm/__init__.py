@@ -8,9 +8,16 @@ PagedAttention (fixed-size blocks, per-sequence block tables, sharing by referen
 
 from __future__ import annotations
 
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "BeamSearchParams", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputs",
+]
 __version__ = "0.1.0"
 
 

@@ -5,7 +5,8 @@ problem (`code`), so that callers such as the HTTP server map it to a response w
 reading its message. The others say what failed: loading a model (`ModelLoadError`), a
 request (`RequestFailedError`), the engine's admission (`EngineOverloadedError`), the
 block pool (`NoFreeBlocksError`), the compiled kernels (`KernelUnavailableError`), a
-tensor-parallel group (`TensorParallelError`). Every error type of the engine lives
+tensor-parallel group (`TensorParallelError`), a structured-output grammar that rejected
+a drawn token (`GrammarError`). Every error type of the engine lives
 here; the HTTP server's `APIError` is a response, not an error of the engine. Plain
 Python: every layer may import it.
 """
@@ -51,3 +52,8 @@ class KernelUnavailableError(RuntimeError):
 
 class TensorParallelError(RuntimeError):
     """The tensor-parallel group failed (a rank died, hung or raised)."""
+
+
+class GrammarError(RuntimeError):
+    """A request's grammar rejected the token drawn for it, or its matcher failed; the
+    request fails alone."""

@@ -2,13 +2,18 @@
 
 Validated on creation: a bad value raises InvalidParameterError (a ValueError) that
 carries the field's name and says its allowed range; the server returns it as HTTP 400.
-Plain Python (no torch).
+`StructuredOutputs` asks for output that follows a grammar (vLLM's shape): a JSON
+schema, any JSON object, a regex, one of a list of choices, or an EBNF grammar. Plain
+Python (no torch, no grammar library): the grammar is compiled by the engine
+(pagedllm/structured/).
 """
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.errors import InvalidParameterError
 
@@ -50,6 +55,97 @@ def _is_num(x: object) -> bool:
         return False
 
 
+# The ways to ask for structured output, one per request (StructuredOutputs' fields).
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain the output to a grammar: set exactly one of the fields.
+
+    `json`: a JSON schema (a dict, or its JSON text); `json_object`: any JSON object;
+    `regex`: a regular expression the whole output matches; `choice`: one of these
+    strings exactly; `grammar`: an EBNF grammar (GBNF / xgrammar syntax, rule `root`).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParameterError(
+                "structured_outputs",
+                "structured_outputs must set exactly one of "
+                + ", ".join(KINDS)
+                + f", got {', '.join(given) or 'none'}",
+            )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as exc:
+                    raise InvalidParameterError(
+                        "structured_outputs.json",
+                        f"structured_outputs.json must be a JSON schema; its text is not JSON: "
+                        f"{exc}",
+                    ) from None
+            _check(
+                isinstance(schema, dict),
+                "structured_outputs.json",
+                "a JSON schema (an object)",
+                self.json,
+            )
+        _check(
+            isinstance(self.json_object, bool),
+            "structured_outputs.json_object",
+            "true or false",
+            self.json_object,
+        )
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None:
+                _check(
+                    isinstance(v, str) and v != "",
+                    f"structured_outputs.{name}",
+                    "a non-empty string",
+                    v,
+                )
+        if self.choice is not None:
+            _check(
+                isinstance(self.choice, (list, tuple))
+                and len(self.choice) > 0
+                and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice",
+                "a non-empty list of non-empty strings",
+                self.choice,
+            )
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: json, json_object, regex, choice or grammar."""
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): the same grammar gives the same key (the compile cache's). A
+        schema's text is compact but keeps its order: the output follows the order of
+        its properties."""
+        kind = self.kind
+        if kind == "json":
+            schema = self.json if isinstance(self.json, dict) else _json.loads(str(self.json))
+            return kind, _json.dumps(schema, separators=(",", ":"))
+        if kind == "choice":
+            return kind, _json.dumps(list(self.choice or ()))
+        if kind == "json_object":
+            return kind, ""
+        return kind, str(getattr(self, kind))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -72,6 +168,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> value added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
+    # output that follows a grammar (a JSON schema, a regex, ...); None: free text
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
@@ -157,6 +255,22 @@ class SamplingParams:
                 bias,
             )
             object.__setattr__(self, "logit_bias", dict(bias) or None)
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                so = StructuredOutputs(**so)
+            except TypeError:
+                raise InvalidParameterError(
+                    "structured_outputs",
+                    f"structured_outputs takes the fields {', '.join(KINDS)}, got {sorted(so)}",
+                ) from None
+            object.__setattr__(self, "structured_outputs", so)
+        _check(
+            so is None or isinstance(so, StructuredOutputs),
+            "structured_outputs",
+            "a StructuredOutputs (or a dict of its fields) or None",
+            so,
+        )
 
     @property
     def num_seqs(self) -> int:

@@ -6,10 +6,18 @@ and fork sequences, and hand back a RequestOutput for every request that gained 
 The engine itself holds no tensors: the runner does (worker/runner.py), so the same
 `step()` drives the real model, a fake one for bookkeeping runs, or a split one.
 
-A request's failure is its own: per-row work (sampling, detokenising, stop checks, beam
-bookkeeping) that raises fails only its request, and a failed forward pass fails only
-the requests of that step. A failed request is aborted (its blocks freed) and comes
-back as a finished RequestOutput with `error` set; the others go on as they would have.
+Structured output: a request whose SamplingParams carry `structured_outputs` gets its
+grammar compiled (or found cached: the server compiles off this thread first, through
+`compile_grammar`) at add_request, and each of its sequences a matcher, kept here (plain
+bookkeeping, engine/grammars.py) and handed to the sampler with the sequence's row. The
+matcher advances with each accepted token; when it accepts the grammar's end the
+sequence stops ("stop").
+
+A request's failure is its own: per-row work (sampling, grammar masks, detokenising, stop
+checks, beam bookkeeping) that raises fails only its request, and a failed forward pass
+fails only the requests of that step. A failed request is aborted (its blocks freed) and
+comes back as a finished RequestOutput with `error` set; the others go on as they would
+have.
 
 Outside code reads the engine through `snapshot()` and listens through `add_listener()`
 (engine/listeners.py) or `record_kv()`; nothing outside engine/ touches its scheduler,
@@ -30,6 +38,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.engine.beam_search import BeamState, advance_beams
 from pagedllm.engine.config import EngineConfig, parse_size
+from pagedllm.engine.grammars import Grammars
 from pagedllm.engine.kv_recorder import KVRecorder, Record, Sink, engine_snapshot
 from pagedllm.engine.listeners import KVHooks, StepListener
 from pagedllm.engine.output_processor import OutputProcessor
@@ -39,7 +48,7 @@ from pagedllm.engine.snapshot import EngineSnapshot, TableFigures
 from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager, KVUsage
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 from pagedllm.worker.runner import ModelRunner, SampledTokens, SampleRow
 
 logger = logging.getLogger("pagedllm")
@@ -106,6 +115,7 @@ class LLMEngine:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, max_len)
         self._beams: dict[str, BeamState] = {}  # request id -> its beam search
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self.num_steps = 0  # steps that ran something
         self._listeners: list[StepListener] = []
         self.stats = EngineStats()
@@ -165,7 +175,12 @@ class LLMEngine:
             self.config.kv_reservation, len(prompt_ids), max_new, self.max_model_len
         )
         self.scheduler.check_fits(len(prompt_ids), max_new, num_seqs, reserve, seqs_param)
+        grammar = None
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            grammar = self.grammars.start(params.structured_outputs)
         seq = self._new_seq(prompt_ids)
+        if grammar is not None:
+            self.grammars.add(seq.seq_id, grammar)
         request = Request(
             request_id=request_id,
             seqs=[seq],
@@ -186,11 +201,19 @@ class LLMEngine:
             return False
         self._beams.pop(request_id, None)
         self.output.forget(req.seqs)
+        self.grammars.forget(req.seqs + req.finished_seqs)
         for seq in req.seqs:
             seq.finish_reason = "abort"
         for listener in self._listeners:
             listener.on_abort(request_id)
         return True
+
+    def compile_grammar(self, spec: StructuredOutputs, param: str | None = None) -> None:
+        """Compile `spec` into the engine's grammar cache, so that add_request finds it;
+        InvalidParameterError names `param` (default `structured_outputs.<kind>`) if it
+        cannot be compiled. Safe from any thread: the server calls it on its tokenizer
+        thread, off the engine's."""
+        self.grammars.compile(spec, param)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -349,10 +372,12 @@ class LLMEngine:
             rows.rows.append(SampleRow(logits_row, seq.seq_id, _GREEDY, num_logprobs=num))
             return
         for target in self._samples_for(req, seq):
-            rows.samples.setdefault(req.request_id, (req, []))[1].append((target, len(rows.rows)))
-            rows.rows.append(self._sample_row(logits_row, req, target))
             if target is not seq:
                 rows.forks.append((req, seq, target))
+                # Before its row is built: the sample draws under its own matcher.
+                self.grammars.fork(seq.seq_id, target.seq_id)
+            rows.samples.setdefault(req.request_id, (req, []))[1].append((target, len(rows.rows)))
+            rows.rows.append(self._sample_row(logits_row, req, target))
 
     def _process(
         self,
@@ -401,16 +426,20 @@ class LLMEngine:
         for seq, i in entries:
             token = sampled.token_ids[i]
             seq.token_ids.append(token)
+            self.grammars.accept(seq.seq_id, token)
             seq.cumulative_logprob += sampled.logprobs[i]
             if params.logprobs is not None:
                 top = dict(zip(sampled.top_ids[i], sampled.top_logprobs[i], strict=True))
                 top[token] = sampled.logprobs[i]
                 seq.output_logprobs.append(top)
             self.output.check_stop(params, seq)
+            if seq.finish_reason is None and self.grammars.terminated(seq.seq_id):
+                seq.finish_reason = "stop"  # the grammar took its end (an EOS, ignore_eos)
 
     def _finish_step_of(self, req: Request, now: float) -> RequestOutput:
         for seq in [s for s in req.seqs if s.finish_reason is not None]:
             self.scheduler.finish_seq(req, seq)
+            self.grammars.forget([seq])
         finished = not req.seqs
         beam = self._beams.get(req.request_id)
         if finished:
@@ -498,7 +527,10 @@ class LLMEngine:
         params = _sampling_params(req)
         n_out = seq.num_output_tokens
         suppressed: tuple[int, ...] = ()
-        if n_out < params.min_tokens:
+        grammar = self.grammars.get(seq.seq_id)
+        # With a grammar, the grammar decides where the output may end: min_tokens does
+        # not hold back its EOS (it could leave no token allowed).
+        if n_out < params.min_tokens and grammar is None:
             eos = () if params.ignore_eos else tuple(self.eos_token_ids)
             suppressed = eos + tuple(params.stop_token_ids)
         penalties = params.has_penalties
@@ -514,6 +546,7 @@ class LLMEngine:
             output_ids=seq.output_token_ids if penalties else (),
             suppressed_ids=suppressed,
             num_logprobs=params.logprobs or 0,
+            grammar=grammar,
         )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
@@ -24,6 +24,15 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
+
+
+class TokenMask(Protocol):
+    """A row's grammar, as the sampler sees it: it writes the tokens allowed next (a
+    sequence's matcher, pagedllm/structured/grammar.py; the engine advances it)."""
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Set row `row` of `bitmask` (int32, one bit per token) to the allowed tokens."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class SampleRow:
     output_ids: tuple[int, ...] | list[int] = ()
     suppressed_ids: tuple[int, ...] = ()  # EOS and stop ids while under min_tokens
     num_logprobs: int = 0
+    grammar: TokenMask | None = None  # structured output: only its allowed tokens are drawn
 
 
 @dataclass(frozen=True)

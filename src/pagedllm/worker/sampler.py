@@ -1,7 +1,8 @@
 """Sampler: chooses each sample's next token from logits, vectorised over the batch.
 
 Applies, in order: min_tokens suppression, logit bias, repetition/frequency/presence penalties,
-temperature, top-k, top-p and min-p; then samples with the exponential-race trick
+the grammar masks of structured-output rows (all rows at once), temperature, top-k, top-p
+and min-p; then samples with the exponential-race trick
 (argmax of probs / Exp(1) noise), whose noise comes from the sample's own generator when
 the request has a seed, so a seeded request draws the same tokens whatever else is in
 the batch. Greedy rows take the argmax. Log-probabilities are those of the model's raw
@@ -129,6 +130,12 @@ class Sampler:
             logits[list(bi), list(bt)] += torch.tensor(bv, dtype=logits.dtype, device=device)
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits, rows)
+        grammars = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+        if grammars:
+            # Imported here: xgrammar loads only once a request asks for structured output.
+            from pagedllm.structured.bitmask import apply_grammar_masks
+
+            apply_grammar_masks(logits, grammars)
 
         tokens = logits.argmax(dim=-1)
         greedy = [r.params.greedy for r in rows]
@@ -159,6 +166,7 @@ class Sampler:
             and not row.suppressed_ids
             and not p.logit_bias
             and not p.has_penalties
+            and row.grammar is None
         )
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""Prompt token ids for server requests, computed on a tokenizer thread.
+"""Prompt token ids for server requests, computed on a tokenizer thread (and the
+grammars of structured output compiled there too).
 
 Tokenizing a long prompt or applying a chat template takes a while (a 1 MB prompt, most
 of a second). On the engine thread it would stall every running stream; on the event
@@ -45,6 +46,12 @@ class PromptEncoder:
     ) -> list[int]:
         tokenizer = self.tokenizer
         return await self._run(lambda: encode_chat(tokenizer, conversation, add_generation_prompt))
+
+    async def compile_grammar(self, compile: Callable[[], None]) -> None:
+        """Run `compile` (the engine's grammar compile, which fills its cache) on this
+        thread too: a grammar takes milliseconds to seconds to compile, which the engine
+        thread must not spend. Tokenizing and compiling read the same tokenizer."""
+        await self._run(compile)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -2,10 +2,11 @@
 wrong type is an error, not a silent conversion) and the response models.
 
 Requests accept OpenAI's sampling fields (logit_bias included) plus vLLM's extensions
-(top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...). Fields
-that would change the answer but that this server cannot honour (tools, JSON mode, image
-parts, suffix, ...) are refused by `check()` with InvalidParameterError naming them, rather
-than silently ignored; other unknown fields are ignored.
+(top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...), and
+structured output (chat's response_format, vLLM's guided_* and structured_outputs: see
+structured.py). Fields that would change the answer but that this server cannot honour
+(tools, image parts, suffix, ...) are refused by `check()` with InvalidParameterError
+naming them, rather than silently ignored; other unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.engine.prompts import check_text
+from pagedllm.entrypoints.server.structured import Structured, from_fields
+from pagedllm.entrypoints.server.tools import ToolCalls, tool_calls
 from pagedllm.errors import UNSUPPORTED, InvalidParameterError
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputs
 
 
 class StreamOptions(BaseModel):
@@ -51,6 +54,12 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's structured output (entrypoints/server/structured.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def check_common(self) -> None:
         """The checks both endpoints make of the fields they share."""
@@ -90,7 +99,30 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_keys(self.logit_bias),
+            structured_outputs=structured.spec if (structured := self.structured()) else None,
         )
+
+    def structured(self) -> Structured | None:
+        """The structured output the request asks for; InvalidParameterError names the
+        field."""
+        guided = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        return from_fields(guided, self.structured_outputs, self._response_format())
+
+    def _response_format(self) -> dict[str, Any] | None:
+        return None
+
+    def structured_names(self) -> dict[str, str]:
+        """Engine parameters of structured output -> the request's field."""
+        try:
+            structured = self.structured()
+        except InvalidParameterError:  # named already, by the check that raised it
+            return {}
+        return structured.param_names() if structured else {}
 
     @property
     def include_usage(self) -> bool:
@@ -125,7 +157,7 @@ class CompletionRequest(_SamplingRequest):
         return self._params(self.max_tokens, self.logprobs, self.best_of)
 
     def param_names(self) -> dict[str, str]:
-        return {}
+        return self.structured_names()
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -193,13 +225,10 @@ class ChatCompletionRequest(_SamplingRequest):
         # Asking for nothing (no tools, plain text) is fine; anything else would be ignored.
         _refuse(
             {
-                "tools": bool(self.tools),
-                "tool_choice": self.tool_choice not in (None, "none"),
                 "functions": bool(self.functions),
                 "function_call": self.function_call not in (None, "none"),
                 "audio": self.audio is not None,
                 "prediction": self.prediction is not None,
-                "response_format": (self.response_format or {}).get("type", "text") != "text",
             }
         )
         if self.top_logprobs is not None and not self.logprobs:
@@ -215,7 +244,27 @@ class ChatCompletionRequest(_SamplingRequest):
     def param_names(self) -> dict[str, str]:
         """Engine parameter -> this request's field, for error objects."""
         max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
-        return {"prompt": "messages", "max_tokens": max_tokens, "logprobs": "top_logprobs"}
+        names = {"prompt": "messages", "max_tokens": max_tokens, "logprobs": "top_logprobs"}
+        return {**names, **self.structured_names()}
+
+    def _response_format(self) -> dict[str, Any] | None:
+        return self.response_format
+
+    def tool_calls(self) -> ToolCalls | None:
+        """The tool calls the request forces (tools + tool_choice), or None."""
+        return tool_calls(self.tools, self.tool_choice)
+
+    def structured(self) -> Structured | None:
+        asked = super().structured()
+        tools = self.tool_calls()
+        if tools is None:
+            return asked
+        if asked is not None:
+            raise InvalidParameterError(
+                asked.field,
+                f"{asked.field} cannot be combined with tool_choice {self.tool_choice!r}",
+            )
+        return Structured(StructuredOutputs(json=tools.schema), tools.field)
 
     def conversation(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's new name for "system"; chat templates know the old one

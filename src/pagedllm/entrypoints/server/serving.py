@@ -122,6 +122,12 @@ class Serving:
             req.check()
             params = req.sampling_params()
             prompts = await encode()
+            structured = req.structured()
+            if structured is not None:  # compiled here, so that the engine finds it cached
+                engine = self.engine.engine
+                await self.encoder.compile_grammar(
+                    lambda: engine.compile_grammar(structured.spec, structured.field)
+                )
             gen = await submit(self.engine, self.metrics, rid, prompts, params, arrival, client_id)
         logger.info(
             "request %s: %s, engine request %s, %d prompt(s)",
@@ -205,6 +211,15 @@ class Serving:
 
         s = await self._start(req, raw, "chatcmpl", encode)
         k = (req.top_logprobs or 0) if req.logprobs else None
+        tools = req.tool_calls()
+        texts: dict[int, str] = {}  # with tools: each choice's text so far (sent whole)
+
+        def message(d: Delta, text: str) -> tuple[dict[str, Any], str | None]:
+            """The choice's message (or last delta) and finish reason."""
+            calls = tools.calls(text) if tools and d.finish_reason == "stop" else None
+            if calls is None:
+                return {"role": "assistant", "content": text}, d.finish_reason
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
         def lps(d: Delta) -> dict[str, Any] | None:
             return None if k is None else {"content": self._chat_logprobs(d, k)}
@@ -219,7 +234,24 @@ class Serving:
                     yield [
                         {"index": d.index, "delta": first, "logprobs": None, "finish_reason": None}
                     ]
-                if worth_sending(d, k):
+                if tools is not None:  # a call is sent whole, once it is complete
+                    texts[d.index] = texts.get(d.index, "") + d.text
+                    if d.finish_reason is None:
+                        continue
+                    delta, finish = message(d, texts[d.index])
+                    if "tool_calls" in delta:
+                        delta["tool_calls"] = [
+                            {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
+                        ]
+                    yield [
+                        {
+                            "index": d.index,
+                            "delta": delta,
+                            "logprobs": lps(d),
+                            "finish_reason": finish,
+                        }
+                    ]
+                elif worth_sending(d, k):
                     delta = {"content": d.text} if d.text else {}
                     yield [
                         {
@@ -231,15 +263,13 @@ class Serving:
                     ]
 
         def final_choices(finals: list[RequestOutput]) -> Choices:
-            return [
-                {
-                    "index": d.index,
-                    "message": {"role": "assistant", "content": d.text},
-                    "logprobs": lps(d),
-                    "finish_reason": d.finish_reason,
-                }
-                for d in s.deltas.deltas(finals[0])
-            ]
+            choices = []
+            for d in s.deltas.deltas(finals[0]):
+                msg, finish = message(d, d.text)
+                choices.append(
+                    {"index": d.index, "message": msg, "logprobs": lps(d), "finish_reason": finish}
+                )
+            return choices
 
         objects = ("chat.completion.chunk", "chat.completion")
         return await self._respond(s, req, raw, objects, stream_choices, final_choices)

@@ -1,0 +1,97 @@
+"""Structured output on the wire: the request fields that ask for it -> StructuredOutputs.
+
+Chat's OpenAI `response_format` (`json_object`, or `json_schema` with `{name, schema,
+strict}`), and on both endpoints vLLM's extra fields: `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`, or the newer `structured_outputs` object. One per
+request. `Structured.field` is the request's own field, so that a grammar the engine
+cannot compile is a 400 naming what the client sent (e.g. `response_format.json_schema`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.errors import InvalidParameterError
+from pagedllm.sampling_params import KINDS, StructuredOutputs
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# vLLM's guided_* fields -> StructuredOutputs' fields
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+@dataclass(frozen=True)
+class Structured:
+    spec: StructuredOutputs
+    field: str  # the request's field that asked for it
+
+    def param_names(self) -> dict[str, str]:
+        """Engine parameters -> the request's field, for error objects."""
+        names = {"structured_outputs": self.field}
+        names.update({f"structured_outputs.{kind}": self.field for kind in KINDS})
+        return names
+
+
+def from_fields(
+    guided: Mapping[str, Any],
+    structured_outputs: dict[str, Any] | None,
+    response_format: dict[str, Any] | None = None,
+) -> Structured | None:
+    """The request's structured output, if it asks for one; InvalidParameterError names
+    the field that is wrong, or the second of two that both ask."""
+    found: list[Structured] = []
+    if response_format is not None:
+        found += _response_format(response_format)
+    for name, kind in GUIDED.items():
+        if guided.get(name) is not None:
+            found.append(Structured(_spec(name, **{kind: guided[name]}), name))
+    if structured_outputs is not None:
+        spec = _spec("structured_outputs", **structured_outputs)
+        found.append(Structured(spec, f"structured_outputs.{spec.kind}"))
+    if len(found) > 1:
+        first, second = found[0].field, found[1].field
+        raise InvalidParameterError(
+            second, f"{second}: only one structured output per request ({first} asks already)"
+        )
+    return found[0] if found else None
+
+
+def _response_format(rf: dict[str, Any]) -> list[Structured]:
+    kind = rf.get("type", "text")
+    if kind not in RESPONSE_FORMATS:
+        raise InvalidParameterError(
+            "response_format.type",
+            f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}",
+        )
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [Structured(StructuredOutputs(json_object=True), "response_format")]
+    field = "response_format.json_schema"
+    js = rf.get("json_schema")
+    schema = js.get("schema") if isinstance(js, dict) else None
+    if not isinstance(schema, dict):
+        raise InvalidParameterError(
+            field, f"{field} must be an object with a 'schema' (a JSON schema object)"
+        )
+    return [Structured(_spec(field, json=schema), field)]
+
+
+def _spec(field: str, **fields: Any) -> StructuredOutputs:
+    """StructuredOutputs of `fields`; its errors name the request's `field`."""
+    try:
+        return StructuredOutputs(**fields)
+    except TypeError:
+        raise InvalidParameterError(
+            field, f"{field} takes the fields {', '.join(KINDS)}, got {sorted(fields)}"
+        ) from None
+    except InvalidParameterError as exc:
+        if field == "structured_outputs":
+            raise
+        raise InvalidParameterError(field, f"{field}: {exc}", exc.code) from None
