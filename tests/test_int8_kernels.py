@@ -108,16 +108,25 @@ def test_the_fastest_candidate_is_chosen_cached_and_reused(tmp_path: Path) -> No
     no_vnni = int8_choice.choose_gemm(forced, layers, cache, fake_timer(seconds, calls), "cpu A")
     assert "_int_mm" not in calls and "_int_mm" not in no_vnni.step_ms
     assert no_vnni.isa == "AVX2" and not no_vnni.cached
-    assert len(json.loads(cache.read_text())) == 3
+    calls.clear()  # other shapes (another model): measured anew
+    smaller = layers[:1]
+    int8_choice.choose_gemm(ops, smaller, cache, fake_timer(seconds, calls), "cpu A")
+    assert calls and len(json.loads(cache.read_text())) == 4
+
+
+def test_a_later_candidate_must_win_by_the_margin() -> None:
+    assert int8_choice.preferred({"a": 10.0, "b": 9.8, "c": 12.0}) == "a"
+    assert int8_choice.preferred({"a": 10.0, "b": 9.0, "c": 12.0}) == "b"
 
 
 def test_the_cache_key_names_the_machine_and_the_forcing() -> None:
     keys = {
-        int8_choice.cache_key(cpu, has, use, "build")
+        int8_choice.cache_key(cpu, has, use, "build", shapes)
         for cpu in ("cpu A", "cpu B")
         for has, use in ((True, True), (True, False), (False, False))
+        for shapes in ([(8, 4, 2)], [(8, 4, 3)])
     }
-    assert len(keys) == 6
+    assert len(keys) == 12
     assert "_int_mm" not in int8_choice.candidates(vnni=False)
     assert "_int_mm" in int8_choice.candidates(vnni=True)
 

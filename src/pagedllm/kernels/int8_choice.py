@@ -7,12 +7,14 @@ and, only where the CPU has AVX-512 VNNI and PAGEDLLM_NO_VNNI is not set, torch'
 (a plain loop without VNNI). At load each candidate runs on the model's own shapes at
 MEASURE_ROWS rows (about a second in all, beside fp32 `F.linear` for comparison); the
 figures are cached in a small JSON next to the kernel build, keyed by the CPU model, the
-VNNI forcing and the kernels' build, so later processes on this machine just read them.
+VNNI forcing, the kernels' build and the layers' shapes (another model may prefer another
+kernel), so later processes on this machine just read them.
 Every candidate computes the same exact int32 sums, so the choice changes speed only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -32,6 +34,9 @@ logger = logging.getLogger("pagedllm")
 AVX2_GEMMS = {"gemm avx2": "avx2", "gemm avx2_int16": "avx2_int16"}
 VNNI_GEMMS = {"_int_mm": None}
 MEASURE_ROWS = 64
+# Candidates are in order of preference ("gemm avx2" reads half the bytes of the int16 one):
+# a later one must be faster by more than this fraction to be chosen, not by noise.
+MARGIN = 0.05
 CACHE_FILE = "int8_choice.json"
 
 # A timer: seconds one call of `run` takes for the candidate `name` ("fp32" for F.linear).
@@ -91,10 +96,14 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cache_key(cpu_model: str, cpu_vnni: bool, use_vnni: bool, build: str) -> str:
-    """One entry per CPU model, VNNI forced off or not, and kernel build."""
+def cache_key(
+    cpu_model: str, cpu_vnni: bool, use_vnni: bool, build: str, shapes: Sequence[tuple[int, ...]]
+) -> str:
+    """One entry per CPU model, VNNI forced off or not, kernel build and set of shapes."""
     forced = cpu_vnni and not use_vnni
-    return f"{cpu_model} | vnni={'forced off' if forced else cpu_vnni} | {build}"
+    sizes = ",".join("x".join(map(str, shape)) for shape in sorted(shapes))
+    digest = hashlib.sha256(sizes.encode()).hexdigest()[:12]
+    return f"{cpu_model} | vnni={'forced off' if forced else cpu_vnni} | {build} | {digest}"
 
 
 def read_cache(path: Path) -> dict[str, Any]:
@@ -158,6 +167,12 @@ def measure(
     return {k: round(v, 2) for k, v in totals.items()}, round(fp32, 2)
 
 
+def preferred(step_ms: dict[str, float]) -> str:
+    """The first candidate within MARGIN of the fastest."""
+    best = min(step_ms.values())
+    return next(name for name, ms in step_ms.items() if ms <= best * (1 + MARGIN))
+
+
 def choose_gemm(
     ops: Any,
     layers: Sequence[tuple[torch.Tensor, int]],
@@ -170,7 +185,10 @@ def choose_gemm(
     cpu_vnni, use_vnni = ops.int8_has_vnni()
     from pagedllm.kernels.cpu import build_directory
 
-    key = cache_key(cpu_model or cpu_model_name(), cpu_vnni, use_vnni, build_directory().name)
+    shapes = [(*weight_q.shape, count) for weight_q, count in layers]
+    key = cache_key(
+        cpu_model or cpu_model_name(), cpu_vnni, use_vnni, build_directory().name, shapes
+    )
     gemms = candidates(use_vnni)
     entry = read_cache(cache_path).get(key)
     if isinstance(entry, dict) and entry.get("gemm") in gemms:
@@ -179,7 +197,7 @@ def choose_gemm(
         except TypeError:  # an entry of another version: measure again
             pass
     step_ms, fp32_ms = measure(ops, layers, gemms, timer)
-    choice = Int8Choice(min(step_ms, key=step_ms.__getitem__), isa_name(use_vnni), step_ms, fp32_ms)
+    choice = Int8Choice(preferred(step_ms), isa_name(use_vnni), step_ms, fp32_ms)
     try:
         write_cache(cache_path, key, choice)
     except OSError as exc:  # a read-only cache: measure again next time
