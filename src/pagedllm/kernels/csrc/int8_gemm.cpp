@@ -47,25 +47,36 @@ inline void store8(int32_t* out, __m256i acc, int64_t valid) {
   for (int64_t c = 0; c < valid; ++c) out[c] = lanes[c];
 }
 
-// "avx2_int16": x16 int16 [MR][ldx], panels int16 with `pstride` elements between panels.
-template <int MR, int NP>
-void madd16_tile(const int16_t* x, int64_t ldx, const int16_t* w, int64_t pstride, int64_t kp,
-                 int32_t* out, int64_t ldo, int64_t cols) {
+// The tile loop of both kernels: MR rows x NP panels of int32 sums over kp input channels,
+// D at a time. `row(r, i)` broadcasts row r's channels [i, i + D) (once per row, for all
+// panels); `madd(row, panel)` their 8 columns' partial sums with a panel's load.
+template <int MR, int NP, int D, typename W, typename Row, typename Madd>
+void tile(const W* w, int64_t pstride, int64_t kp, int32_t* out, int64_t ldo, int64_t cols,
+          Row&& row, Madd&& madd) {
   __m256i acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm256_setzero_si256();
-  for (int64_t i = 0; i < kp; i += 2) {
+  for (int64_t i = 0; i < kp; i += D) {
     __m256i wv[NP];
     for (int p = 0; p < NP; ++p)
       wv[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * pstride + i * 8));
     for (int r = 0; r < MR; ++r) {
-      const __m256i xb = _mm256_set1_epi32(load_pair(x + r * ldx + i));
-      for (int p = 0; p < NP; ++p)
-        acc[r][p] = _mm256_add_epi32(acc[r][p], _mm256_madd_epi16(xb, wv[p]));
+      const auto x = row(r, i);
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm256_add_epi32(acc[r][p], madd(x, wv[p]));
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) store8(out + r * ldo + p * 8, acc[r][p], cols - p * 8);
+}
+
+// "avx2_int16": x16 int16 [MR][ldx], panels int16 with `pstride` elements between panels.
+template <int MR, int NP>
+void madd16_tile(const int16_t* x, int64_t ldx, const int16_t* w, int64_t pstride, int64_t kp,
+                 int32_t* out, int64_t ldo, int64_t cols) {
+  tile<MR, NP, 2>(
+      w, pstride, kp, out, ldo, cols,
+      [&](int r, int64_t i) { return _mm256_set1_epi32(load_pair(x + r * ldx + i)); },
+      [](__m256i xb, __m256i wv) { return _mm256_madd_epi16(xb, wv); });
 }
 
 // "avx2": x and |x| int8 [MR][ldx]; |x| * (w with x's sign), pairs summed to
@@ -74,24 +85,19 @@ template <int MR, int NP>
 void maddubs_tile(const int8_t* x, const uint8_t* xa, int64_t ldx, const int8_t* w,
                   int64_t pstride, int64_t kp, int32_t* out, int64_t ldo, int64_t cols) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) acc[r][p] = _mm256_setzero_si256();
-  for (int64_t i = 0; i < kp; i += 4) {
-    __m256i wv[NP];
-    for (int p = 0; p < NP; ++p)
-      wv[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * pstride + i * 8));
-    for (int r = 0; r < MR; ++r) {
-      const __m256i xs = _mm256_set1_epi32(load_pair(x + r * ldx + i));
-      const __m256i xu = _mm256_set1_epi32(load_pair(xa + r * ldx + i));
-      for (int p = 0; p < NP; ++p) {
-        const __m256i prod = _mm256_maddubs_epi16(xu, _mm256_sign_epi8(wv[p], xs));
-        acc[r][p] = _mm256_add_epi32(acc[r][p], _mm256_madd_epi16(prod, ones));
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) store8(out + r * ldo + p * 8, acc[r][p], cols - p * 8);
+  struct Row {
+    __m256i sign, abs;
+  };
+  tile<MR, NP, 4>(
+      w, pstride, kp, out, ldo, cols,
+      [&](int r, int64_t i) {
+        return Row{_mm256_set1_epi32(load_pair(x + r * ldx + i)),
+                   _mm256_set1_epi32(load_pair(xa + r * ldx + i))};
+      },
+      [&](const Row& xr, __m256i wv) {
+        const __m256i prod = _mm256_maddubs_epi16(xr.abs, _mm256_sign_epi8(wv, xr.sign));
+        return _mm256_madd_epi16(prod, ones);
+      });
 }
 
 // Calls tile(integral_constant<MR>, integral_constant<NP>) with MR == mr, NP == np.
