@@ -136,7 +136,7 @@ def measure(
     layers: Sequence[tuple[torch.Tensor, int]],
     gemms: dict[str, str | None],
     timer: Timer = wall_timer,
-    repeats: int = 3,
+    repeats: int = 2,
 ) -> tuple[dict[str, float], float]:
     """ms of one step's linear layers (int8 weights [out, in] and how many layers have that
     shape) per GEMM, and for fp32 F.linear; each the best of `repeats`, the candidates
