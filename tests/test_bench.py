@@ -20,6 +20,7 @@ from pagedllm.bench.workload import BenchRequest, WorkloadSpec, make_workload
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.cli import main
+from pagedllm.kernels.cpu import missing_cpu_features
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.runner import ModelSpec
 
@@ -292,6 +293,19 @@ def test_decode_bench_rows(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert [r["batch"] for r in result["results"]] == [1, 3]
     assert all(r["pagedllm_ms"] > 0 and r["hf_ms"] > 0 for r in result["results"])
     assert all(0 < r["attention_share"] < 1 for r in result["results"])
+
+
+@pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels on this CPU")
+def test_decode_bench_names_the_int8_kernels(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "decode"
+    args = ["--model", str(tiny_llama_dir), "--out", str(out), "--no-hf", "--steps", "1"]
+    args += ["--batch-sizes", "1,9", "--prompt-len", "4", "--quantization", "int8"]
+    assert main(["bench", "decode", *args]) == 0
+    config = json.loads((out / "decode.json").read_text())["config"]
+    assert config["int8_isa"] in ("AVX2", "AVX-512 VNNI")
+    assert set(config["int8_kernels"]) >= {"qkv", "gate_up", "down", "lm_head"}
+    for kernels in config["int8_kernels"].values():
+        assert kernels.startswith("gemv ") and ("gemm avx2" in kernels or "_int_mm" in kernels)
 
 
 def test_quality_bench_compares_an_option_with_the_exact_default(

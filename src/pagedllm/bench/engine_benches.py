@@ -230,10 +230,12 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
                 row |= {"hf_ms": round(theirs * 1000, 1), "hf_tok_s": round(batch / theirs, 1)}
                 row["speedup"] = ratio(theirs, ours)
             rows.append(row)
-        backend = runner.attention.name
+        backend, int8 = runner.attention.name, runner.int8_kernels
         engine.shutdown()
     config = dict(prompt_len=args.prompt_len, steps=args.steps, threads=torch.get_num_threads())
     config |= {"attention_backend": backend}
+    if int8:  # which int8 kernels ran, on which instruction set (they set the speed)
+        config |= {"int8_isa": int8.pop("isa", "none (pure torch)"), "int8_kernels": int8}
     note = "median of the timed decode steps after the prefill; pagedllm's step includes "
     note += "scheduling, sampling and output processing; transformers' is a forward + argmax"
     notes = [
@@ -241,6 +243,9 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
         "TP > 1: each rank takes an equal share of the cores; communication share: "
         "the driver's time in the all-reduces and the logits gather (waits included)",
     ]
+    if int8:
+        kinds = " | ".join(f"{layer}: {kernels}" for layer, kernels in int8.items())
+        notes.append(f"int8 on {config['int8_isa']}: {kinds}")
     result = options.new_result("decode", args, loaded, config, rows, notes)
     ms = {
         f"pagedllm TP={tp}": (batches, [r["pagedllm_ms"] for r in rows if r["tp"] == tp])

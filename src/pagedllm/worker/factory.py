@@ -38,6 +38,11 @@ class RealRunner(ModelRunner, Protocol):
         """Teacher-forced logits [len, vocab] through a private cache."""
         ...
 
+    @property
+    def int8_kernels(self) -> dict[str, str]:
+        """The int8 kernels of each kind of linear layer and "isa" (empty: none here)."""
+        ...
+
 
 def build_runner(
     options: RunnerOptions,

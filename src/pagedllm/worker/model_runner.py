@@ -24,9 +24,10 @@ from pagedllm.attention.timed import TimedAttention
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.errors import KernelUnavailableError
 from pagedllm.kernels.cpu import load_cpu_ops
+from pagedllm.kernels.int8_choice import isa_name
 from pagedllm.loader import LoadedModel
 from pagedllm.model.layer_ops import CompiledLayerOps, TorchLayerOps
-from pagedllm.model.linear import observe_inputs
+from pagedllm.model.linear import Int8Linear, choose_int8_gemm, observe_inputs
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.parallel import ParallelContext
 from pagedllm.worker.kv_cache import PagedKVCache
@@ -101,6 +102,18 @@ class TorchModelRunner:
         """Seconds spent in tensor-parallel collectives (0 on a single device)."""
         parallel = self.model.parallel
         return 0.0 if parallel is None else parallel.comm_seconds
+
+    @property
+    def int8_kernels(self) -> dict[str, str]:
+        """The int8 kernels each kind of linear layer runs ("qkv": "gemv avx2 up to 8
+        rows, gemm avx2 above", ...) and "isa", the instruction set; empty without int8."""
+        kinds: dict[str, str] = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, Int8Linear):
+                kinds.setdefault(name.rsplit(".", 1)[-1], module.kernels)
+                if module.ops is not None:
+                    kinds.setdefault("isa", isa_name(module.ops.int8_has_vnni()[1]))
+        return kinds
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
@@ -202,6 +215,8 @@ class TorchModelRunner:
             logger.warning("int8 linear layers in pure torch (slower): %s", exc)
             ops = None
         self.model.quantize_int8(amax, ops)
+        if ops is not None:
+            choose_int8_gemm(self.model, ops)
 
     def shutdown(self) -> None:
         self._generators.clear()

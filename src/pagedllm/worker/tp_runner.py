@@ -169,6 +169,11 @@ class TensorParallelRunner:
         # The workers draw no rows: the driver alone samples, from the gathered logits.
         return self._call("execute", step, rows, worker_args=(step, ()))
 
+    @property
+    def int8_kernels(self) -> dict[str, str]:
+        """Empty: the ranks hold the layers (each logs its int8 kernel choice)."""
+        return {}
+
     def logits_of(self, token_ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
         """Teacher-forced logits [len, vocab], as TorchModelRunner.logits_of (every rank
         runs the same chunks: their collectives must pair up)."""

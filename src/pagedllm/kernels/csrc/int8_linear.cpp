@@ -5,8 +5,10 @@
 // own (per token, symmetric); the weights are int8 with one scale per output channel. The
 // int8 product accumulates in int32, exactly, so how it is computed cannot change the
 // result: for a few rows (decode) a matrix-vector loop that streams each weight row once
-// across torch's threads (AVX-512 VNNI where the CPU has it, else AVX2), else torch's
-// `_int_mm`. One pass rescales to fp32 and adds the bias.
+// across torch's threads (AVX-512 VNNI where the CPU has it, else AVX2); for more rows the
+// GEMM the caller names (kernels/int8_choice.py measures which is fastest on this CPU):
+// our AVX2 kernels over prepacked panels (int8_gemm.h), or torch's `_int_mm`, fast only
+// with VNNI. One pass rescales to fp32 and adds the bias.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,8 +22,11 @@
 #include <cstdlib>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
 
+#include "int8_gemm.h"
 #include "row_dispatch.h"
 #include "vec.h"
 
@@ -119,26 +124,31 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void gemv_rows_vnni(
   }
 }
 
-// PAGEDLLM_NO_VNNI=1 takes the AVX2 path anyway (the tests compare the two).
-bool has_vnni() {
+bool cpu_has_vnni() {
   static const bool yes = __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vnni") &&
-                          std::getenv("PAGEDLLM_NO_VNNI") == nullptr;
+                          __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// PAGEDLLM_NO_VNNI=1 takes the AVX2 paths anyway (read once: the choice of a process).
+bool has_vnni() {
+  static const bool yes = cpu_has_vnni() && std::getenv("PAGEDLLM_NO_VNNI") == nullptr;
   return yes;
 }
 
 // The int32 products of a few quantized rows with the [out, in] int8 weights, which
 // `weight_t` ([in, out]) is a view of; `weight_sums` [out] are the rows' sums.
 at::Tensor int8_gemv(const at::Tensor& xq, const at::Tensor& weight_t,
-                     const at::Tensor& weight_sums) {
+                     const at::Tensor& weight_sums, bool vnni) {
   const int64_t m = xq.size(0), k = xq.size(1), n = weight_t.size(1);
   TORCH_CHECK(weight_t.stride(0) == 1 && weight_t.stride(1) == k, "weights must be [out, in] rows");
+  TORCH_CHECK(!vnni || cpu_has_vnni(), "this CPU has no AVX-512 VNNI");
   auto acc = at::empty({m, n}, xq.options().dtype(at::kInt));
   const int8_t* xp = xq.data_ptr<int8_t>();
   const int8_t* wp = weight_t.data_ptr<int8_t>();
   int32_t* ap = acc.data_ptr<int32_t>();
-  if (has_vnni()) {
+  if (vnni) {
     std::vector<uint8_t> shifted(static_cast<size_t>(m * k));
     for (int64_t i = 0; i < m * k; ++i) shifted[i] = static_cast<uint8_t>(xp[i] + 128);
     const int32_t* wsum = weight_sums.data_ptr<int32_t>();
@@ -153,9 +163,48 @@ at::Tensor int8_gemv(const at::Tensor& xq, const at::Tensor& weight_t,
   return acc;
 }
 
+// The int32 product xq @ weight_t by the named kernel: "gemv avx2", "gemv vnni" (up to
+// kGemvMaxRows rows), "gemm avx2", "gemm avx2_int16" (with `panels` packed for it),
+// "_int_mm"; "auto": the gemv of this CPU for few rows, else "_int_mm" with VNNI and our
+// AVX2 GEMM without (never `_int_mm` there: a plain loop).
+at::Tensor int8_matmul(const at::Tensor& xq, const at::Tensor& weight_t,
+                       const at::Tensor& weight_sums, const std::optional<at::Tensor>& panels,
+                       const std::string& kernel) {
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(),
+              "xq must be a contiguous int8 [rows, in] tensor");
+  TORCH_CHECK(weight_sums.scalar_type() == at::kInt && weight_sums.numel() == weight_t.size(1),
+              "weight_sums must be int32 [out]");
+  const int64_t m = xq.size(0), n = weight_t.size(1);
+  std::string name = kernel;
+  if (name == "auto") {
+    if (m <= pagedllm::kGemvMaxRows)
+      name = has_vnni() ? "gemv vnni" : "gemv avx2";
+    else if (has_vnni())
+      name = "_int_mm";
+    else
+      name = panels.has_value() && panels->scalar_type() == at::kShort ? "gemm avx2_int16"
+                                                                        : "gemm avx2";
+  }
+  if (name == "gemv avx2" || name == "gemv vnni") {
+    TORCH_CHECK(m <= pagedllm::kGemvMaxRows, "a gemv kernel takes at most ",
+                pagedllm::kGemvMaxRows, " rows");
+    return int8_gemv(xq, weight_t, weight_sums, name == "gemv vnni");
+  }
+  if (name == "_int_mm") return at::_int_mm(xq, weight_t);
+  TORCH_CHECK(name.rfind("gemm ", 0) == 0, "unknown int8 kernel: ", kernel);
+  const std::string gemm = name.substr(5);
+  const at::Tensor packed = panels.has_value() && panels->defined()
+                                ? *panels
+                                : pagedllm::int8_pack_panels(weight_t.t(), gemm);
+  auto acc = at::empty({m, n}, xq.options().dtype(at::kInt));
+  pagedllm::int8_gemm_avx2(xq, packed, gemm, n, acc.data_ptr<int32_t>());
+  return acc;
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const at::Tensor& weight_t,
                        const at::Tensor& weight_scale, const at::Tensor& weight_sums,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& panels, const std::string& kernel) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in] tensor");
   TORCH_CHECK(weight_t.scalar_type() == at::kChar && weight_t.dim() == 2, "weight_t must be int8 [in, out]");
@@ -176,28 +225,41 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const 
       quantize_row(xp + r * k, sp, 1.0f / scale, qp + r * k, k);
     }
   });
-  TORCH_CHECK(weight_sums.scalar_type() == at::kInt && weight_sums.numel() == n,
-              "weight_sums must be int32 [out]");
-  const at::Tensor acc =
-      m <= pagedllm::kGemvMaxRows ? int8_gemv(xq, weight_t, weight_sums) : at::_int_mm(xq, weight_t);
+  // A layer's kernel is the GEMM it was given; its rows up to kGemvMaxRows take the gemv.
+  const bool few = m <= pagedllm::kGemvMaxRows;
+  const at::Tensor acc = int8_matmul(xq, weight_t, weight_sums, panels, few ? "auto" : kernel);
   auto out = at::empty({m, n}, x.options());
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* ws = weight_scale.data_ptr<float>();
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+  // Eight columns: (acc * row scale) * weight scale (+ bias), rounded after each operation
+  // as the torch path is: the empty asm keeps the compiler from fusing the last multiply
+  // and the add into one fused multiply-add (GCC's intrinsics are plain vector arithmetic).
+  auto rescale8 = [](const int32_t* a, __m256 s, const float* w, const float* b, float* o) {
+    __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+    v = _mm256_mul_ps(_mm256_mul_ps(v, s), _mm256_loadu_ps(w));
+    __asm__("" : "+x"(v));
+    if (b != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(b));
+    _mm256_storeu_ps(o, v);
+  };
   at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const __m256 s = _mm256_set1_ps(rs[r]);
       const int32_t* a = ap + r * n;
       float* o = op + r * n;
       int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j)));
-        v = _mm256_mul_ps(_mm256_mul_ps(v, s), _mm256_loadu_ps(ws + j));
-        if (bp != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bp + j));
-        _mm256_storeu_ps(o + j, v);
+      for (; j + 8 <= n; j += 8) rescale8(a + j, s, ws + j, bp ? bp + j : nullptr, o + j);
+      if (j < n) {  // the last columns through the same instructions
+        int32_t ta[8] = {};
+        float tw[8] = {}, tb[8] = {}, to[8];
+        const int64_t left = n - j;
+        std::copy(a + j, a + n, ta);
+        std::copy(ws + j, ws + n, tw);
+        if (bp != nullptr) std::copy(bp + j, bp + n, tb);
+        rescale8(ta, s, tw, bp ? tb : nullptr, to);
+        std::copy(to, to + left, o + j);
       }
-      for (; j < n; ++j) o[j] = static_cast<float>(a[j]) * rs[r] * ws[j] + (bp ? bp[j] : 0.0f);
     }
   });
   return out;
@@ -208,7 +270,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
       "int8_linear(Tensor x, Tensor inv_smooth, Tensor weight_t, Tensor weight_scale, "
-      "Tensor weight_sums, Tensor? bias) -> Tensor");
+      "Tensor weight_sums, Tensor? bias, Tensor? panels=None, str kernel='auto') -> Tensor");
+  m.def(
+      "int8_matmul(Tensor xq, Tensor weight_t, Tensor weight_sums, Tensor? panels, "
+      "str kernel) -> Tensor");
+  m.def("int8_pack_panels(Tensor weight_q, str gemm) -> Tensor");
+  // (the CPU has VNNI, the kernels use it: not forced off by PAGEDLLM_NO_VNNI)
+  m.def("int8_has_vnni() -> (bool, bool)", [] { return std::make_tuple(cpu_has_vnni(), has_vnni()); });
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_matmul", &int8_matmul);
+  m.impl("int8_pack_panels", &pagedllm::int8_pack_panels);
+}
+
