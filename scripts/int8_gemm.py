@@ -42,10 +42,9 @@ def main() -> None:
     print("| rows | layers | fp32 F.linear ms | " + " | ".join(f"{g} ms" for g in gemms) + " |")
     print("|---" * (3 + len(gemms)) + "|")
     for rows in (int(r) for r in args.rows.split(",")):
-        int8_choice.MEASURE_ROWS = rows
         totals = dict.fromkeys(["fp32", *gemms], 0.0)
         for name, layer in weights.items():
-            step_ms, fp32_ms = int8_choice.measure(ops, [layer], gemms, repeats=3)
+            step_ms, fp32_ms = int8_choice.measure(ops, [layer], gemms, repeats=3, rows=rows)
             cells = " | ".join(f"{step_ms[g]:.1f} ({step_ms[g] / fp32_ms:.2f}x)" for g in gemms)
             print(f"| {rows} | {name} x{layer[1]} | {fp32_ms:.1f} | {cells} |")
             totals["fp32"] += fp32_ms

@@ -31,19 +31,24 @@ def make_engine(**options: Any) -> LLMEngine:
 @pytest.mark.parametrize(
     ("policy", "admissible"),
     [
-        # 64 blocks, 3 kept as the watermark: 61 usable. Each request: a 10-token prompt.
-        ("paged", 5),  # 3 blocks each: all five fit
-        ("reserve-max", 3),  # 16 blocks each (64 tokens): three fit, the rest wait
-        ("reserve-pow2", 5),  # 32 tokens = 8 blocks each: five fit
-        ("reserve-oracle", 5),  # 18 tokens = 5 blocks each
+        # 64 blocks, 3 kept as the watermark: 61 usable. 13 requests of a 10-token prompt
+        # and 8 new tokens each: every policy admits a different number.
+        ("paged", 13),  # 3 blocks each (the prompt): all fit
+        ("reserve-max", 3),  # 16 blocks each (64 tokens)
+        ("reserve-pow2", 7),  # 32 tokens = 8 blocks each
+        ("reserve-oracle", 12),  # 18 tokens = 5 blocks each
     ],
 )
 def test_admission_estimate_counts_reservations(policy: str, admissible: int) -> None:
     engine = make_engine(kv_reservation=policy, watermark=0.05)
-    for i in range(5):
+    for i in range(13):
         engine.add_request(f"r{i}", list(range(1, 11)), PARAMS)
     snap = engine.snapshot()
-    assert (snap.num_waiting, snap.num_admissible, snap.backlog) == (5, admissible, 5 - admissible)
+    assert (snap.num_waiting, snap.num_admissible, snap.backlog) == (
+        13,
+        admissible,
+        13 - admissible,
+    )
     engine.step()  # the scheduler admits exactly what it said it could
     assert engine.snapshot().num_running == admissible
 

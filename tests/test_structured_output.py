@@ -233,8 +233,9 @@ def test_compiled_once_then_cached(llm: LLM) -> None:
     llm.engine.compile_grammar(spec)
     compiler = llm.engine.grammars.compiler
     before = compiler.num_compiles
-    llm.generate([PROMPT] * 2, SamplingParams(max_tokens=8, structured_outputs=spec))
+    outs = llm.generate([PROMPT] * 2, SamplingParams(max_tokens=8, structured_outputs=spec))
     assert compiler.num_compiles == before
+    assert all(re.fullmatch("[xyz]{4}", o.outputs[0].text) for o in outs)
 
 
 def test_a_grammar_failure_fails_only_its_request(llm: LLM) -> None:

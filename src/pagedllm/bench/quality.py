@@ -21,13 +21,13 @@ import torch
 
 from pagedllm.bench import options
 from pagedllm.bench.output import write_outputs
+from pagedllm.bench.sweep import engine_over_runner
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.prompts import encode_chat
 from pagedllm.entrypoints.engine_args import engine_options
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.factory import build_runner
 
 DATA = Path(__file__).with_name("data")
 COLUMNS = "|".join(
@@ -76,10 +76,9 @@ def measure(
     prompts: list[list[int]],
     tokens: int,
 ) -> dict:
-    runner, tokenizer = build_runner(config.runner_options, config.model, loaded)
+    engine, runner = engine_over_runner(config, loaded)
     try:
         logits = runner.logits_of(text_ids)
-        engine = LLMEngine(config, runner=runner, tokenizer=tokenizer)
         greedy = greedy_tokens(engine, prompts, tokens)
     finally:
         runner.shutdown()

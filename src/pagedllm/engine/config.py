@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from pagedllm.core.reservation import check_policy
 from pagedllm.errors import InvalidParameterError
@@ -76,14 +77,31 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _at_least(self, name, 1)
-        RunnerOptions.of(self)  # the runner's share of the options checks itself
+        self.runner_options  # noqa: B018 - built now, so that its own checks run at creation
         check_policy(self.kv_reservation)
         if not 0 <= self.watermark < 1:
             raise InvalidParameterError(
                 "watermark", f"watermark must be in [0, 1), got {self.watermark}"
             )
 
-    @property
+    @cached_property
     def runner_options(self) -> RunnerOptions:
-        """What the model runner computes with: this configuration's share of options."""
+        """What the model runner computes with: this configuration's share of options
+        (built, and so checked, once: in __post_init__)."""
         return RunnerOptions.of(self)
+
+    def pool_size(self, block_bytes: int, max_positions: int) -> tuple[int, int, int]:
+        """(KV blocks, watermark blocks, max_model_len) for blocks of `block_bytes` and a
+        model of `max_positions`: a request may grow to every block but the watermark."""
+        num_blocks = self.num_kv_blocks or max(1, parse_size(self.kv_cache_memory) // block_bytes)
+        watermark_blocks = min(int(self.watermark * num_blocks), num_blocks - 1)
+        max_len = min(max_positions, (num_blocks - watermark_blocks) * self.block_size)
+        if self.max_model_len is not None:
+            if self.max_model_len > max_positions:
+                raise InvalidParameterError(
+                    "max_model_len",
+                    f"max_model_len ({self.max_model_len}) exceeds the model's context "
+                    f"({max_positions})",
+                )
+            max_len = self.max_model_len
+        return num_blocks, watermark_blocks, max_len

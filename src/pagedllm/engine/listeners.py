@@ -1,4 +1,5 @@
-"""StepListener: the one way to listen to an engine, and the fan-out of the pool's hooks.
+"""StepListener: the one way to listen to an engine; `Listeners`, an engine's registry
+of them, and the fan-out of the pool's hooks.
 
 `LLMEngine.add_listener(listener)` registers a StepListener; the callable it returns
 removes it. A listener hears each step begin and end (with the step's plain-data
@@ -11,12 +12,14 @@ the engine's thread and must not block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.kv.events import KVListener, TableView
+from pagedllm.kv.manager import KVCacheManager
 
 
 class StepListener:
@@ -70,3 +73,47 @@ class KVHooks:
     def on_freed(self, seq_id: int, table: TableView) -> None:
         for listener in self.listeners:
             listener.on_freed(seq_id, table)
+
+
+class Listeners:
+    """An engine's listeners, called in the order they were added."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self._all: list[StepListener] = []
+
+    def add(self, listener: StepListener) -> Callable[[], None]:
+        """Register `listener`; returns the call that removes it."""
+        self._all.append(listener)
+        self._install_kv_hooks()
+
+        def remove() -> None:
+            if listener in self._all:
+                self._all.remove(listener)
+                self._install_kv_hooks()
+
+        return remove
+
+    def step_begin(self, step_number: int) -> None:
+        for listener in self._all:
+            listener.on_step_begin(step_number)
+
+    def step_end(
+        self, step: SchedulerOutput, outputs: Sequence[RequestOutput], ran: EngineSnapshot
+    ) -> None:
+        for listener in self._all:
+            listener.on_step_end(step, outputs, ran)
+
+    def abort(self, request_id: str) -> None:
+        for listener in self._all:
+            listener.on_abort(request_id)
+
+    def _install_kv_hooks(self) -> None:
+        # Installed only while someone listens: an unwatched pool tests one attribute.
+        watching = [listener for listener in self._all if listener.wants_kv_events]
+        hooks: Any = None
+        if len(watching) == 1:
+            hooks = watching[0]
+        elif watching:
+            hooks = KVHooks(watching)
+        self.kv.set_listener(hooks)

@@ -28,24 +28,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.reservation import reserve_tokens
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.engine.beam_search import BeamState, advance_beams
-from pagedllm.engine.config import EngineConfig, parse_size
+from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.grammars import Grammars
 from pagedllm.engine.kv_recorder import KVRecorder, Record, Sink, engine_snapshot
-from pagedllm.engine.listeners import KVHooks, StepListener
+from pagedllm.engine.listeners import Listeners, StepListener
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.prompts import check_token_ids, encode_text
-from pagedllm.engine.snapshot import EngineSnapshot, TableFigures
+from pagedllm.engine.snapshot import EngineSnapshot, take_snapshot
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.step_rows import StepRows, raise_row_errors
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager, KVUsage
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
@@ -78,22 +78,9 @@ class LLMEngine:
         self.vocab_size = spec.vocab_size
 
         block_bytes = runner.kv_bytes_per_block(config.block_size)
-        num_blocks = config.num_kv_blocks or max(
-            1, parse_size(config.kv_cache_memory) // block_bytes
+        num_blocks, watermark_blocks, max_len = config.pool_size(
+            block_bytes, spec.max_position_embeddings
         )
-        watermark_blocks = min(int(config.watermark * num_blocks), num_blocks - 1)
-        # A request may grow to every block but the watermark.
-        max_len = min(
-            spec.max_position_embeddings, (num_blocks - watermark_blocks) * config.block_size
-        )
-        if config.max_model_len is not None:
-            if config.max_model_len > spec.max_position_embeddings:
-                raise InvalidParameterError(
-                    "max_model_len",
-                    f"max_model_len ({config.max_model_len}) exceeds the model's context "
-                    f"({spec.max_position_embeddings})",
-                )
-            max_len = config.max_model_len
         self.max_model_len = max_len
         self.kv = KVCacheManager(
             num_blocks,
@@ -117,7 +104,7 @@ class LLMEngine:
         self._beams: dict[str, BeamState] = {}  # request id -> its beam search
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self.num_steps = 0  # steps that ran something
-        self._listeners: list[StepListener] = []
+        self.listeners = Listeners(self.kv)
         self.stats = EngineStats()
         self.add_listener(self.stats)
         logger.info(
@@ -204,8 +191,7 @@ class LLMEngine:
         self.grammars.forget(req.seqs + req.finished_seqs)
         for seq in req.seqs:
             seq.finish_reason = "abort"
-        for listener in self._listeners:
-            listener.on_abort(request_id)
+        self.listeners.abort(request_id)
         return True
 
     def compile_grammar(self, spec: StructuredOutputs, param: str | None = None) -> None:
@@ -230,39 +216,11 @@ class LLMEngine:
     # -------------------------------------------------------------- read side
     def snapshot(self, tables: bool = False) -> EngineSnapshot:
         """The engine's figures now; `tables`: with every running sequence's block table."""
-        sched = self.scheduler
-        figures: tuple[TableFigures, ...] = ()
-        if tables:
-            figures = tuple(
-                TableFigures(req.request_id, seq.seq_id, table.capacity, table.num_tokens)
-                for req in sched.running
-                for seq in req.seqs
-                if (table := self.kv.tables.get(seq.seq_id)) is not None
-            )
-        return EngineSnapshot(
-            num_steps=self.num_steps,
-            usage=self.kv.usage(),
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_running_seqs=sched.num_running_seqs,
-            num_preemptions=sched.num_preemptions,
-            prefix_query_tokens=sched.prefix_query_tokens,
-            prefix_hit_tokens=sched.prefix_hit_tokens,
-            num_admissible=sched.num_admissible(),
-            tables=figures,
-        )
+        return take_snapshot(self.scheduler, self.kv, self.num_steps, tables)
 
     def add_listener(self, listener: StepListener) -> Callable[[], None]:
         """Call `listener` at every step from now on; returns the call that removes it."""
-        self._listeners.append(listener)
-        self._install_kv_hooks()
-
-        def remove() -> None:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-                self._install_kv_hooks()
-
-        return remove
+        return self.listeners.add(listener)
 
     def record_kv(self, sink: Sink, *, text: bool = False, tokenizer: Any = None) -> KVRecorder:
         """A KV recorder (engine/kv_recorder.py) listening from the current state on,
@@ -287,16 +245,6 @@ class LLMEngine:
             self.scheduler, self.kv, self.snapshot(), self.num_steps, tokenizer=tokenizer
         )
 
-    def _install_kv_hooks(self) -> None:
-        # Installed only while someone listens: an unwatched pool tests one attribute.
-        watching = [listener for listener in self._listeners if listener.wants_kv_events]
-        hooks: Any = None
-        if len(watching) == 1:
-            hooks = watching[0]
-        elif watching:
-            hooks = KVHooks(watching)
-        self.kv.set_listener(hooks)
-
     def shutdown(self) -> None:
         self.runner.shutdown()
 
@@ -304,8 +252,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: a RequestOutput for every request that gained a token, ended,
         or failed (`error` set) in it."""
-        for listener in self._listeners:
-            listener.on_step_begin(self.num_steps + 1)
+        self.listeners.step_begin(self.num_steps + 1)
         step = self.scheduler.schedule()
         if step.is_empty:
             return []
@@ -321,15 +268,15 @@ class LLMEngine:
         self._fork(rows.forks)
         ran = self.snapshot()
         outputs = self._process(sampled, rows, failed)
-        self._step_ended(step, outputs, ran)
+        self.listeners.step_end(step, outputs, ran)
         return outputs
 
     def _rows_of(
         self, step: SchedulerOutput
-    ) -> tuple[_StepRows, dict[str, tuple[Request, BaseException]]]:
+    ) -> tuple[StepRows, dict[str, tuple[Request, BaseException]]]:
         """The rows to draw, following the scheduled sequences that need logits in order,
         and the requests whose rows could not be built (they fail after the step)."""
-        rows = _StepRows()
+        rows = StepRows()
         failed: dict[str, tuple[Request, BaseException]] = {}
         logits_row = 0
         for s in step.seqs:
@@ -345,7 +292,7 @@ class LLMEngine:
         return rows, failed
 
     def _forward_failed(
-        self, step: SchedulerOutput, rows: _StepRows, exc: Exception
+        self, step: SchedulerOutput, rows: StepRows, exc: Exception
     ) -> list[RequestOutput]:
         """The shared forward pass failed: every request of the step fails, once."""
         # Forked even so: the runner may have seeded generators for the samples, and it
@@ -359,10 +306,10 @@ class LLMEngine:
             for request_id in step.request_ids
             if (req := self.scheduler.requests.get(request_id)) is not None
         ]
-        self._step_ended(step, outputs, self.snapshot())
+        self.listeners.step_end(step, outputs, self.snapshot())
         return outputs
 
-    def _add_rows(self, rows: _StepRows, logits_row: int, req: Request, seq_id: int) -> None:
+    def _add_rows(self, rows: StepRows, logits_row: int, req: Request, seq_id: int) -> None:
         """The rows that draw from logits row `logits_row` (sequence `seq_id`'s)."""
         seq = next(q for q in req.seqs if q.seq_id == seq_id)
         beam = self._beams.get(req.request_id)
@@ -382,7 +329,7 @@ class LLMEngine:
     def _process(
         self,
         sampled: SampledTokens,
-        rows: _StepRows,
+        rows: StepRows,
         failed: dict[str, tuple[Request, BaseException]],
     ) -> list[RequestOutput]:
         """Each request's tokens, one request at a time: what raises fails its own."""
@@ -401,7 +348,7 @@ class LLMEngine:
             if request_id in failed:
                 continue
             try:
-                _raise_row_errors(sampled, [i for _, i in entries])
+                raise_row_errors(sampled, [i for _, i in entries])
                 self._advance_beams(req, entries, sampled.top_ids, sampled.top_logprobs)
             except Exception as exc:
                 failed[request_id] = (req, exc)
@@ -422,7 +369,7 @@ class LLMEngine:
     ) -> None:
         """Append each sample's drawn token (from its row) and check whether it stops."""
         params = _sampling_params(req)
-        _raise_row_errors(sampled, [i for _, i in entries])
+        raise_row_errors(sampled, [i for _, i in entries])
         for seq, i in entries:
             token = sampled.token_ids[i]
             seq.token_ids.append(token)
@@ -467,12 +414,6 @@ class LLMEngine:
         self.abort(req.request_id)
         out.error = f"{type(exc).__name__}: {exc}"
         return out
-
-    def _step_ended(
-        self, step: SchedulerOutput, outputs: list[RequestOutput], ran: EngineSnapshot
-    ) -> None:
-        for listener in self._listeners:
-            listener.on_step_end(step, outputs, ran)
 
     # ---------------------------------------------------------------- helpers
     def _beam_candidates(self, params: BeamSearchParams) -> int:
@@ -548,24 +489,6 @@ class LLMEngine:
             num_logprobs=params.logprobs or 0,
             grammar=grammar,
         )
-
-
-@dataclass
-class _StepRows:
-    """The tokens a step draws: one SampleRow each, and whose they are."""
-
-    rows: list[SampleRow] = field(default_factory=list)
-    # request id -> (request, [(sample, its row)]) for sampling requests...
-    samples: dict[str, tuple[Request, list[tuple[Sequence, int]]]] = field(default_factory=dict)
-    # ... and for beam searches (a beam's row gives its candidates)
-    beams: dict[str, tuple[Request, list[tuple[Sequence, int]]]] = field(default_factory=dict)
-    forks: list[tuple[Request, Sequence, Sequence]] = field(default_factory=list)
-
-
-def _raise_row_errors(sampled: SampledTokens, rows: Iterable[int]) -> None:
-    for i in rows:
-        if i in sampled.row_errors:
-            raise RuntimeError(f"sampling failed: {sampled.row_errors[i]}")
 
 
 def _sampling_params(req: Request) -> SamplingParams:

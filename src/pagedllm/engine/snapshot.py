@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.kv.manager import KVUsage
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.kv.manager import KVCacheManager, KVUsage
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,30 @@ class EngineSnapshot:
             "seqs": self.num_running_seqs,
             "pre": self.num_preemptions,
         }
+
+
+def take_snapshot(
+    scheduler: Scheduler, kv: KVCacheManager, num_steps: int, tables: bool = False
+) -> EngineSnapshot:
+    """The figures of an engine's scheduler and pool now; `tables`: with every running
+    sequence's block table."""
+    figures: tuple[TableFigures, ...] = ()
+    if tables:
+        figures = tuple(
+            TableFigures(req.request_id, seq.seq_id, table.capacity, table.num_tokens)
+            for req in scheduler.running
+            for seq in req.seqs
+            if (table := kv.tables.get(seq.seq_id)) is not None
+        )
+    return EngineSnapshot(
+        num_steps=num_steps,
+        usage=kv.usage(),
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_running_seqs=scheduler.num_running_seqs,
+        num_preemptions=scheduler.num_preemptions,
+        prefix_query_tokens=scheduler.prefix_query_tokens,
+        prefix_hit_tokens=scheduler.prefix_hit_tokens,
+        num_admissible=scheduler.num_admissible(),
+        tables=figures,
+    )

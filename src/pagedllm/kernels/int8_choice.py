@@ -137,6 +137,7 @@ def measure(
     gemms: dict[str, str | None],
     timer: Timer = wall_timer,
     repeats: int = 2,
+    rows: int = MEASURE_ROWS,
 ) -> tuple[dict[str, float], float]:
     """ms of one step's linear layers (int8 weights [out, in] and how many layers have that
     shape) per GEMM, and for fp32 F.linear; each the best of `repeats`, the candidates
@@ -145,8 +146,8 @@ def measure(
     totals = dict.fromkeys([*gemms, "fp32"], 0.0)
     for weight_q, count in layers:
         k = weight_q.shape[1]
-        x = torch.randn(MEASURE_ROWS, k, generator=gen)
-        xq = torch.randint(-127, 128, (MEASURE_ROWS, k), dtype=torch.int8, generator=gen)
+        x = torch.randn(rows, k, generator=gen)
+        xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=gen)
         sums = weight_q.sum(dim=1, dtype=torch.int32)
         weight = weight_q.float()
         runs: dict[str, Callable[[], object]] = {"fp32": lambda w=weight, x=x: F.linear(x, w)}
