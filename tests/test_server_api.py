@@ -95,6 +95,53 @@ def test_a_client_leaving_a_batch_aborts_every_prompt(server: LiveServer) -> Non
     assert after == aborted + 2
 
 
+# ------------------------------------------------------------------ cached tokens
+def test_usage_reports_the_prompt_tokens_served_by_the_prefix_cache(server: LiveServer) -> None:
+    """`usage.prompt_tokens_details.cached_tokens`, as OpenAI's client reads it: the full
+    blocks (16 tokens) of a repeated prompt, all but the block holding its last token."""
+    client = server.client()
+    prompt = list(range(7000, 7070))  # 70 tokens no other test sends: 4 full blocks + 6
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    assert again.choices[0].text == first.choices[0].text
+    # A batch sums its prompts' cached tokens: 64 again, and 0 for a new prompt.
+    batch = [prompt, list(range(7100, 7120))]
+    out = client.completions.create(model=NAME, prompt=batch, max_tokens=2, temperature=0)
+    assert out.usage.prompt_tokens_details.cached_tokens == 64
+    stream = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens == 64
+
+    # Chat: the templated prompt's full blocks, but for the one with its last token.
+    messages = [{"role": "user", "content": "Tell me everything about paged attention. " * 6}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    cached = (chat.usage.prompt_tokens - 1) // 16 * 16
+    again_chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    assert again_chat.usage.prompt_tokens_details.cached_tokens == cached > 32
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    raw = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": NAME, "prompt": prompt, "max_tokens": 1},
+    ).json()
+    assert raw["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}
+
+
 # ------------------------------------------------------------------ logit_bias
 def test_logit_bias_steers_sampling_like_the_offline_api(server: LiveServer, offline: LLM) -> None:
     client = server.client()

@@ -190,3 +190,24 @@ def test_prefix_cache_evicts_least_recently_used_first() -> None:
     assert kv.allocate_slots(4, 2) and kv.table(4).blocks == [1]  # evicts a's second block
     assert kv.find_cached_prefix(a)[0] == [0]
     assert kv.find_cached_prefix(b)[0] == [3, 4]
+
+
+def test_cached_tokens_are_counted_at_first_admission_and_kept_after_preemption(
+    tiny_llama_dir,
+) -> None:
+    """num_cached_tokens, as vLLM: what the prefix cache served when the request was
+    first admitted; a recomputation after preemption (which finds its own blocks cached,
+    or fewer) does not change it."""
+    # 28 blocks: the last request is preempted and readmitted finding 28 of its own
+    # tokens cached, where it first found the 12 shared ones.
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=28, watermark=0.0)
+    shared = list(range(30, 43))  # 13 tokens: 3 full blocks of 4
+    greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    assert llm.generate([ids(shared)], greedy, use_tqdm=False)[0].num_cached_tokens == 0
+    long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [ids([*shared, 100 + i, 110 + i]) for i in range(4)]
+    outs = llm.generate(prompts, long, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert any(o.num_preemptions > 0 for o in outs)
+    assert [o.num_cached_tokens for o in outs] == [12] * 4
+    assert_pool_whole(llm)

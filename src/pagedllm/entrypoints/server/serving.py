@@ -69,7 +69,7 @@ class Started:
     gen: Generation
     deltas: DeltaTracker
 
-    def body(self, obj: str, choices: Choices, usage: dict[str, int] | None) -> dict[str, Any]:
+    def body(self, obj: str, choices: Choices, usage: dict[str, Any] | None) -> dict[str, Any]:
         return {
             "id": self.rid,
             "object": obj,

@@ -227,12 +227,15 @@ def _finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def usage_of(finals: Sequence[RequestOutput]) -> dict[str, int]:
-    """Token counts summed over the prompts of a request."""
+def usage_of(finals: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Token counts summed over the prompts of a request. `prompt_tokens_details.
+    cached_tokens` (OpenAI's field): the prompt tokens served from the prefix cache when
+    each prompt was first admitted (a recomputation after preemption does not change it)."""
     prompt = sum(len(out.prompt_token_ids) for out in finals)
     completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in finals)},
     }
