@@ -28,6 +28,9 @@ _UNITS = {
 }
 
 
+_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9a-fA-F:.]+\]|[\w.-]+):(\*|\d{1,5})|(ipc|inproc)://\S+")
+
+
 def parse_size(value: int | str, param: str = "kv_cache_memory") -> int:
     """Bytes from an int or a string like "256MiB", "1.5GB", "1048576"."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -65,6 +68,10 @@ class EngineConfig:
     kv_reservation: str = "paged"
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
     seed: int = 0
+    # Publish the prefix cache's changes (vLLM's KV events: msgpack over ZeroMQ) on this
+    # endpoint, which the engine binds: "tcp://127.0.0.1:5557", "tcp://*:5557" (every
+    # interface), port * for any free one; None: no events.
+    kv_events_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -82,6 +89,13 @@ class EngineConfig:
         if not 0 <= self.watermark < 1:
             raise InvalidParameterError(
                 "watermark", f"watermark must be in [0, 1), got {self.watermark}"
+            )
+        if self.kv_events_endpoint is not None and not _ENDPOINT.fullmatch(self.kv_events_endpoint):
+            raise InvalidParameterError(
+                "kv_events_endpoint",
+                "kv_events_endpoint must be a ZeroMQ endpoint: tcp://HOST:PORT (HOST * to "
+                f"bind every interface), ipc://PATH or inproc://NAME, got "
+                f"{self.kv_events_endpoint!r}",
             )
 
     @cached_property

@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.reservation import reserve_tokens
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -50,6 +50,9 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager, KVUsage
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 from pagedllm.worker.runner import ModelRunner, SampledTokens, SampleRow
+
+if TYPE_CHECKING:
+    from pagedllm.engine.kv_event_publisher import KVEventPublisher
 
 logger = logging.getLogger("pagedllm")
 _GREEDY = SamplingParams(temperature=0)
@@ -107,6 +110,9 @@ class LLMEngine:
         self.listeners = Listeners(self.kv)
         self.stats = EngineStats()
         self.add_listener(self.stats)
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint is not None:
+            self.kv_events = self._publish_kv_events(config.kv_events_endpoint)
         logger.info(
             "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d",
             num_blocks,
@@ -214,9 +220,10 @@ class LLMEngine:
         return self.kv.usage()
 
     # -------------------------------------------------------------- read side
-    def snapshot(self, tables: bool = False) -> EngineSnapshot:
-        """The engine's figures now; `tables`: with every running sequence's block table."""
-        return take_snapshot(self.scheduler, self.kv, self.num_steps, tables)
+    def snapshot(self, tables: bool = False, cached_hashes: bool = False) -> EngineSnapshot:
+        """The engine's figures now; `tables`: with every running sequence's block table;
+        `cached_hashes`: with the hashes of the prefix cache's blocks."""
+        return take_snapshot(self.scheduler, self.kv, self.num_steps, tables, cached_hashes)
 
     def add_listener(self, listener: StepListener) -> Callable[[], None]:
         """Call `listener` at every step from now on; returns the call that removes it."""
@@ -246,7 +253,21 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         self.runner.shutdown()
+
+    def _publish_kv_events(self, endpoint: str) -> KVEventPublisher:
+        """Publish the prefix cache's changes (engine/cache_events.py) to `endpoint`."""
+        # Imported here: pyzmq and msgspec are loaded only by an engine that publishes.
+        from pagedllm.engine.cache_events import CacheEventCollector
+        from pagedllm.engine.kv_event_publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(endpoint)
+        self.add_listener(CacheEventCollector(self.kv, publisher.publish))
+        logger.info("KV events: publishing to %s", publisher.endpoint)
+        return publisher
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

@@ -40,6 +40,9 @@ class EngineSnapshot:
     num_admissible: int
     # The running sequences' tables, only when asked for (`snapshot(tables=True)`).
     tables: tuple[TableFigures, ...] = ()
+    # The hashes of the prefix cache's blocks (what KV events describe), only when asked
+    # for (`snapshot(cached_hashes=True)`: O(blocks)); None otherwise.
+    cached_hashes: frozenset[bytes] | None = None
 
     @property
     def backlog(self) -> int:
@@ -68,10 +71,22 @@ class EngineSnapshot:
 
 
 def take_snapshot(
-    scheduler: Scheduler, kv: KVCacheManager, num_steps: int, tables: bool = False
+    scheduler: Scheduler,
+    kv: KVCacheManager,
+    num_steps: int,
+    tables: bool = False,
+    cached_hashes: bool = False,
 ) -> EngineSnapshot:
     """The figures of an engine's scheduler and pool now; `tables`: with every running
-    sequence's block table."""
+    sequence's block table; `cached_hashes`: with the prefix cache's block hashes."""
+    hashes = None
+    if cached_hashes:
+        alloc = kv.allocator
+        hashes = frozenset(
+            info.block_hash
+            for block in range(alloc.num_blocks)
+            if (info := alloc.cached_info(block)) is not None
+        )
     figures: tuple[TableFigures, ...] = ()
     if tables:
         figures = tuple(
@@ -91,4 +106,5 @@ def take_snapshot(
         prefix_hit_tokens=scheduler.prefix_hit_tokens,
         num_admissible=scheduler.num_admissible(),
         tables=figures,
+        cached_hashes=hashes,
     )

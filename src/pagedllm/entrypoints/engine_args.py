@@ -80,6 +80,12 @@ OPTIONS = (
     ),
     _Option("watermark", "fraction of blocks kept free when admitting requests", float),
     _Option("seed", "seed of the sampling of unseeded requests", int, flag="--engine-seed"),
+    _Option(
+        "kv_events_endpoint",
+        "publish prefix-cache events (vLLM's KV events, msgpack over ZeroMQ PUB) on this "
+        "endpoint, which routers subscribe to: tcp://127.0.0.1:PORT, tcp://*:PORT (every "
+        "interface), ipc://PATH",
+    ),
 )
 
 

@@ -1,0 +1,189 @@
+"""KV events for external routers: a real ZeroMQ SUB socket receives what an engine
+publishes (`kv_events_endpoint`), decodes vLLM's wire layout by hand (plain msgpack
+arrays, tagged events, topic + sequence number frames), checks every block hash from the
+token ids it carries, and rebuilds the engine's set of cached blocks exactly, through
+prefix hits, evictions and a reset. A subscriber that never reads, or none at all, costs
+the engine nothing: it produces the same tokens as an engine that publishes nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.cli import build_parser
+from pagedllm.entrypoints.engine_args import engine_config
+from pagedllm.errors import InvalidParameterError
+from pagedllm.kv.allocator import hash_block
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def ids(prompt: list[int]) -> dict[str, list[int]]:
+    return {"prompt_token_ids": prompt}
+
+
+class Replica:
+    """A router's view of one engine, rebuilt from the frames alone."""
+
+    def __init__(self, sub: zmq.Socket, block_size: int) -> None:
+        self.sub = sub
+        self.block_size = block_size
+        self.cached: set[bytes] = set()
+        self.seqs: list[int] = []
+        self.kinds: list[str] = []
+
+    def drain(self, timeout: float = 0.2) -> int:
+        """Apply every batch that arrives within `timeout` of the last one."""
+        n = 0
+        while self.sub.poll(int(timeout * 1000)):
+            topic, seq, payload = self.sub.recv_multipart()
+            assert topic == b""
+            self.seqs.append(int.from_bytes(seq, "big"))
+            self.apply(msgspec.msgpack.decode(payload))
+            n += 1
+        return n
+
+    def apply(self, batch: Any) -> None:
+        assert isinstance(batch, list) and isinstance(batch[0], float) and batch[1]
+        assert abs(batch[0] - time.time()) < 60
+        for event in batch[1]:
+            kind = event[0]
+            self.kinds.append(kind)
+            if kind == "BlockStored":
+                hashes, parent, tokens, block_size, lora_id, medium, lora_name = event[1:]
+                assert block_size == self.block_size
+                assert (lora_id, medium, lora_name) == (None, None, None)
+                assert len(tokens) == len(hashes) * block_size
+                for i, block_hash in enumerate(hashes):  # the chain, rebuilt from tokens
+                    block_tokens = tokens[i * block_size : (i + 1) * block_size]
+                    assert hash_block(parent or b"", block_tokens) == block_hash
+                    assert isinstance(block_hash, bytes) and len(block_hash) == 16
+                    parent = block_hash
+                self.cached.update(hashes)
+            elif kind == "BlockRemoved":
+                hashes, medium = event[1:]
+                assert medium is None and set(hashes) <= self.cached
+                self.cached.difference_update(hashes)
+            else:
+                assert event == ["AllBlocksCleared"]
+                self.cached.clear()
+
+
+ENDPOINT = "tcp://127.0.0.1:*"  # the engine binds a free port of this machine
+
+
+@pytest.fixture
+def sockets() -> Iterator[list[zmq.Socket]]:
+    made: list[zmq.Socket] = []
+    yield made
+    for socket in made:
+        socket.close(linger=0)
+
+
+def subscribe(llm: LLM, sockets: list[zmq.Socket], **options: int) -> zmq.Socket:
+    """A SUB socket connected to the engine's publisher, once the publisher knows of it."""
+    publisher = llm.engine.kv_events
+    assert publisher is not None
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    sockets.append(socket)
+    for option, value in options.items():
+        socket.setsockopt(getattr(zmq, option), value)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(publisher.endpoint)
+    assert publisher.wait_for_subscribers(len(sockets))
+    return socket
+
+
+def engine_hashes(llm: LLM) -> frozenset[bytes]:
+    hashes = llm.engine.snapshot(cached_hashes=True).cached_hashes
+    assert hashes is not None
+    return hashes
+
+
+def test_a_subscriber_rebuilds_the_engines_cached_blocks_exactly(tiny_llama_dir, sockets) -> None:
+    # 24 blocks of 4 tokens: the rounds below overflow it, so cached blocks get evicted.
+    llm = LLM(
+        str(tiny_llama_dir),
+        block_size=4,
+        num_kv_blocks=24,
+        watermark=0.0,
+        kv_events_endpoint=ENDPOINT,
+    )
+    publisher = llm.engine.kv_events
+    assert publisher is not None and publisher.endpoint.startswith("tcp://127.0.0.1:")
+    replica = Replica(subscribe(llm, sockets), 4)
+    assert engine_hashes(llm) == frozenset()
+    system = list(range(1, 22))  # 21 tokens: 5 full blocks every prompt shares
+    rounds = [
+        [[*system, 30, 31, 32]],
+        [[*system, 40 + i, 41 + i, 42 + i, 43 + i, 44] for i in range(3)],  # prefix hits
+        [list(range(50, 50 + 37)), list(range(90, 90 + 29))],  # new prompts: evictions
+        [[*system, 30, 31, 32, 33, 34, 35]],
+    ]
+    for i, prompts in enumerate(rounds):
+        outs = llm.generate([ids(p) for p in prompts], GREEDY, use_tqdm=False)
+        assert replica.drain() > 0
+        assert replica.cached == engine_hashes(llm), f"round {i}"
+        if i == 1:
+            assert outs[0].num_cached_tokens == 20
+    assert llm.engine.kv.allocator.num_evictions > 0
+    # A reset between steps goes out with the next step: the replica starts over too.
+    llm.engine.kv.allocator.reset_prefix_cache()
+    llm.generate([ids([*system, 7, 8])], GREEDY, use_tqdm=False)
+    replica.drain()
+    assert replica.cached == engine_hashes(llm) != frozenset()
+    assert {"BlockStored", "BlockRemoved", "AllBlocksCleared"} == set(replica.kinds)
+    # One batch per step that changed the cache, numbered 0, 1, 2, ... without a gap.
+    assert replica.seqs == list(range(len(replica.seqs)))
+    assert publisher.num_sent == len(replica.seqs) and publisher.num_dropped == 0
+    llm.engine.shutdown()
+    assert llm.engine.kv_events is None
+
+
+def test_consecutive_blocks_of_a_prompt_share_one_event(tiny_llama_dir, sockets) -> None:
+    llm = LLM(str(tiny_llama_dir), block_size=4, kv_events_endpoint=ENDPOINT)
+    socket = subscribe(llm, sockets)
+    llm.generate([ids(list(range(1, 18)))], SamplingParams(max_tokens=1), use_tqdm=False)
+    frames = [socket.recv_multipart() for _ in range(1)]
+    batch = msgspec.msgpack.decode(frames[0][2])
+    # The 17-token prompt's 4 full blocks are cached in its one step, as one chain.
+    assert [e[0] for e in batch[1]] == ["BlockStored"]
+    stored = batch[1][0]
+    assert len(stored[1]) == 4 and stored[2] is None and stored[3] == list(range(1, 17))
+    llm.engine.shutdown()
+
+
+def test_no_subscriber_or_a_stalled_one_changes_nothing_in_the_engine(
+    tiny_llama_dir, sockets
+) -> None:
+    prompts = [ids([*range(1, 30), i]) for i in range(8)]
+    options: dict[str, Any] = dict(block_size=4, num_kv_blocks=40, watermark=0.0)
+    plain = LLM(str(tiny_llama_dir), **options)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    for stalled in (False, True):
+        llm = LLM(str(tiny_llama_dir), kv_events_endpoint="tcp://*:*", **options)
+        if stalled:  # subscribes, then never reads, with room for one message
+            subscribe(llm, sockets, RCVHWM=1)
+        got = llm.generate(prompts * 3, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want * 3
+        publisher = llm.engine.kv_events
+        assert publisher is not None
+        start = time.monotonic()
+        llm.engine.shutdown()
+        assert time.monotonic() - start < 3
+        assert publisher.num_dropped == 0 and publisher.num_sent > 0
+
+
+def test_the_endpoint_is_an_engine_option_checked_at_creation() -> None:
+    args = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://127.0.0.1:5557"])
+    assert engine_config(args).kv_events_endpoint == "tcp://127.0.0.1:5557"
+    for bad in ("127.0.0.1:5557", "tcp://host", "http://x:1", "tcp://*:port"):
+        with pytest.raises(InvalidParameterError) as info:
+            engine_config(build_parser().parse_args(["serve", "--kv-events-endpoint", bad]))
+        assert info.value.param == "kv_events_endpoint"
