@@ -27,6 +27,10 @@ class InvalidParameterError(ValueError):
         self.param = param
         self.code = code
 
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        # Rebuilt whole when pickled (a Ray replica's error reaching the ingress).
+        return (type(self), (self.param, str(self), self.code))
+
 
 class RequestFailedError(RuntimeError):
     """The engine failed while running this request (or stopped before it finished).

@@ -78,6 +78,37 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    ray = p.add_argument_group("Ray Serve (pip install pagedllm[ray])")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve N engine replicas on Ray Serve behind one ingress (joins the Ray cluster "
+        "of $RAY_ADDRESS, else starts a local one); the KV view is not served",
+    )
+    ray.add_argument("--num-replicas", type=int, default=2, help="engine replicas (with --ray)")
+    ray.add_argument(
+        "--routing",
+        default="prefix",
+        choices=["prefix", "pow2"],
+        help="prefix: to the replica caching the longest prefix of the prompt (load-balanced "
+        "past --max-imbalance); pow2: Ray's default power-of-two-choices (default: prefix)",
+    )
+    ray.add_argument(
+        "--max-imbalance",
+        type=int,
+        default=4,
+        help="prefix routing: take the least-loaded replica instead when the best match has "
+        "more than this many ongoing requests beyond it (default %(default)s)",
+    )
+    ray.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="CPUs Ray reserves for each replica (default %(default)s)",
+    )
+    ray.add_argument(
+        "--replica-gpus", type=float, default=0.0, help="GPUs per replica (default none)"
+    )
     add_engine_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -94,6 +125,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # Bad values fail here, before a model loads (create_app checks the limits again).
     check_limits(args.max_request_bytes, args.body_timeout)
     config = engine_config(args)
+    if args.ray:
+        from pagedllm.entrypoints.ray_serve.cli import run_ray_serve
+
+        return run_ray_serve(args, config)
     # Built on the loop's thread: all torch work on one thread (see AsyncLLMEngine.build).
     engine = AsyncLLMEngine.build(lambda: LLMEngine(config), max_waiting=args.max_waiting)
     try:

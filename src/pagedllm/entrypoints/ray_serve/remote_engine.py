@@ -1,0 +1,164 @@
+"""RemoteEngine: what the OpenAI server (entrypoints/server) needs of an AsyncLLMEngine,
+served by engine replicas behind a Ray Serve handle.
+
+The server's code runs unchanged in the ingress over this object: `add_requests` sends a
+request group through the handle (the router picks the replica from the prompt's token
+ids), waits until the replica has queued it (so that a 400 or a 503 comes before any
+output, as in one process), and returns a RemoteStream with the RequestStream's
+interface. `engine` stands for the LLMEngine the server reads: the tokenizer (loaded
+here, for templating and tokenizing off the replicas), the config, the context limit and
+grammar compilation (checked here; each replica compiles its own copy). `snapshot` adds
+up the replicas' latest snapshots (sent with each finished request) for /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.grammars import Grammars
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.snapshot import EngineSnapshot
+from pagedllm.errors import RequestFailedError
+from pagedllm.kv.manager import KVUsage
+from pagedllm.sampling_params import SamplingParams, StructuredOutputs
+
+
+class EngineView:
+    """The parts of LLMEngine the server reads, in the ingress."""
+
+    def __init__(self, config: EngineConfig, info: dict[str, Any], tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+        self.grammars = Grammars(tokenizer, self.vocab_size, set(info["eos_token_ids"]))
+
+    def compile_grammar(self, spec: StructuredOutputs, param: str | None = None) -> None:
+        self.grammars.compile(spec, param)
+
+
+class RemoteEngine:
+    def __init__(self, handle: Any, view: EngineView, max_waiting: int | None = None) -> None:
+        """`handle`: a DeploymentHandle of EngineReplica. `max_waiting` is the replicas'
+        to enforce (each refuses beyond it); kept here for the server to read."""
+        self.handle = handle
+        self.engine = view
+        self.max_waiting = max_waiting
+        self.healthy = True
+        self._snapshots: dict[str, EngineSnapshot] = {}
+
+    def start(self) -> None:
+        """The replicas run their own loops: nothing to start here."""
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """The replicas stop with their Ray Serve application."""
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return _sum(self._snapshots.values(), self.engine.config.block_size)
+
+    async def add_requests(
+        self,
+        requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]],
+        arrival_time: float | None = None,
+    ) -> RemoteStream:
+        """Queue the requests together on one replica, all or none; raises what the
+        replica's add_requests raised (InvalidParameterError, EngineOverloadedError)."""
+        if not requests:
+            raise ValueError("add_requests needs at least one request")
+        calls = self.handle.options(stream=True).generate.remote(list(requests), arrival_time)
+        try:
+            await calls.__anext__()  # queued on the replica
+        except asyncio.CancelledError:
+            calls.cancel()
+            raise
+        except Exception as exc:
+            raise _cause(exc) from None
+        return RemoteStream(self, [r[0] for r in requests], calls)
+
+    def _note(self, replica_key: str, snapshot: EngineSnapshot) -> None:
+        self._snapshots[replica_key] = snapshot
+
+
+class RemoteStream:
+    """RequestStream's interface over a replica's streamed outputs."""
+
+    def __init__(self, engine: RemoteEngine, request_ids: Sequence[str], calls: Any) -> None:
+        self.request_ids = tuple(request_ids)
+        self._engine = engine
+        self._calls = calls
+        self._unfinished = set(self.request_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request_ids[0]
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        try:
+            out, replica, snapshot = await self._calls.__anext__()
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        except StopAsyncIteration:
+            self._unfinished.clear()
+            raise RequestFailedError("the engine replica ended the request early") from None
+        except Exception as exc:
+            self.abort()
+            cause = _cause(exc)
+            if isinstance(cause, RequestFailedError):
+                raise cause from None
+            raise RequestFailedError(f"the engine replica failed: {cause}") from None
+        if snapshot is not None:
+            self._engine._note(replica, snapshot)
+        if out.finished:
+            self._unfinished.discard(out.request_id)
+        return out
+
+    def abort(self) -> None:
+        """Abort every request of the stream that has not finished (cancels the call)."""
+        if self._unfinished:
+            self._unfinished.clear()
+            self._calls.cancel()
+
+    async def __aenter__(self) -> RemoteStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+def _cause(exc: Exception) -> Exception:
+    """The replica's own exception inside Ray's wrapper, else `exc`."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, Exception) else exc
+
+
+def _sum(snapshots: Any, block_size: int) -> EngineSnapshot:
+    snaps = list(snapshots)
+    usage = KVUsage(
+        block_size=block_size,
+        **{
+            f.name: sum(getattr(s.usage, f.name) for s in snaps)
+            for f in dataclasses.fields(KVUsage)
+            if f.name != "block_size"
+        },
+    )
+    counts = {
+        f.name: sum(getattr(s, f.name) for s in snaps)
+        for f in dataclasses.fields(EngineSnapshot)
+        if f.type in ("int", int)
+    }
+    return EngineSnapshot(usage=usage, **counts)
