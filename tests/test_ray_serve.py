@@ -7,6 +7,7 @@ Skipped where ray is not installed."""
 
 from __future__ import annotations
 
+import pickle
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from pagedllm.entrypoints.ray_serve.app import (  # noqa: E402
     RouterOptions,
     build_app,
 )
+from pagedllm.errors import InvalidParameterError  # noqa: E402
 
 KEY = "ray-key"
 BLOCK = 16
@@ -116,6 +118,24 @@ def test_the_ingress_is_the_same_server(ray_url: str) -> None:
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == 6
     assert c.models.list().data[0].id == NAME
+    # /metrics adds up the pools of the replicas that have answered (256 blocks each).
+    text = httpx.get(ray_url + "/metrics").text
+    total = next(line for line in text.splitlines() if line.startswith("pagedllm:kv_blocks_total"))
+    assert float(total.split()[-1]) in (256.0, 512.0)
+
+
+def test_serve_takes_the_ray_options() -> None:
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--ray", "--num-replicas", "3", "--routing", "pow2", "--replica-gpus", "1"]
+    )
+    assert (args.ray, args.num_replicas, args.routing, args.replica_gpus) == (True, 3, "pow2", 1)
+    with pytest.raises(InvalidParameterError) as info:
+        RayServeOptions(routing="random")
+    assert info.value.param == "routing"
+    error = pickle.loads(pickle.dumps(InvalidParameterError("max_tokens", "too many", "x")))
+    assert (error.param, str(error), error.code) == ("max_tokens", "too many", "x")
 
 
 def replica_stats() -> list[dict[str, Any]]:
