@@ -4,8 +4,9 @@ with completions (protocol.py), chat's own response_format, and tools (tools.py)
 Tools are offered to the model through the chat template unless tool_choice is "none";
 "required" and a named function constrain the output by grammar, so they cannot be
 combined with another structured output; under "auto" a structured output holds the whole
-output, and calls are parsed where its grammar let the model write them. OpenAI's older `functions` / `function_call`, audio and
-predicted outputs are refused with InvalidParameterError naming them.
+output, and calls are parsed where its grammar let the model write them. OpenAI's older
+`functions` / `function_call`, audio and predicted outputs are refused with
+InvalidParameterError naming them.
 """
 
 from __future__ import annotations

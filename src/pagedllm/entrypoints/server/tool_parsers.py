@@ -5,7 +5,8 @@ the server reads that format back out of its text. Parsers are chosen by name, a
 `--tool-call-parser` (`pagedllm serve --tool-call-parser hermes`); `PARSERS` is the
 registry. `hermes` reads `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the
 format of Hermes and Qwen2/2.5/3 and what the server's fallback tool prompt asks for
-(engine/chat_tools.py), and a JSON list of such calls in one block (SmolLM2's variant).
+(engine/chat_tools.py), and a JSON list of such calls in one block (a variant some
+models write).
 
 A parser sees a choice's text in pieces (`feed`, then `finish`) and returns `Piece`s in
 order: plain text, or a complete call. Text outside the calls stays content. A call block
@@ -105,7 +106,7 @@ class HermesToolParser(ToolParser):
         return [Piece(call=c) for c in calls] if calls else [Piece(block)]
 
     def _calls(self, body: str) -> list[ParsedCall]:
-        """The block's calls: one object, or a list of them (SmolLM2's variant); none
+        """The block's calls: one object, or a list of them; none
         unless every one is a call of an offered function."""
         try:
             value = json.loads(body)
