@@ -404,3 +404,24 @@ def test_list_options_and_sweeps(tiny_llama_dir: Path, tmp_path: Path, capsys) -
     assert "block_size must be in [1, 256], got 512" in capsys.readouterr().err
     assert main([*base, "--block-sizes", "8", "--block-size", "16"]) == 2
     assert "give --block-sizes or --block-size, not both" in capsys.readouterr().err
+
+
+def test_structured_bench_times_masks_and_compiles(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = build_chat_model(tmp_path_factory)  # SmolLM2's tokenizer: real grammars
+    out = tmp_path / "structured"
+    args = ["bench", "structured", "--model", str(model), "--out", str(out)]
+    args += ["--batch-sizes", "1,3", "--steps", "2", "--prompt-len", "4", "--rounds", "1"]
+    assert main(args) == 0
+    result = json.loads((out / "structured.json").read_text())
+    assert result.keys() >= COMMON_KEYS
+    assert [r["batch"] for r in result["results"]] == [1, 3]
+    for row in result["results"]:
+        assert row["plain_ms"] > 0 and row["structured_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["structured_ms"] / row["plain_ms"], rel=0.05)
+    summary = result["summary"]
+    assert summary["compile json schema, cold (ms)"] > 0
+    assert len(summary) == 2 * 6
+    assert "the KV pool was not whole" not in " ".join(result["notes"])
+    assert "ratio" in (out / "structured.md").read_text()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from typing import Any
 
 import jsonschema
@@ -14,7 +16,7 @@ import pytest
 
 from live_server import OPTIONS
 from pagedllm import LLM, SamplingParams, StructuredOutputs
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import EngineOverloadedError, InvalidParameterError
 from pagedllm.structured.grammar import GrammarCompiler
 
 # Every string, array and number bounded: a random model would otherwise ramble to
@@ -226,6 +228,47 @@ def test_a_slow_compile_is_refused_within_the_bound(llm: LLM) -> None:
     with pytest.raises(InvalidParameterError):  # remembered: no second compile starts
         compiler.compile(spec)
     assert compiler.num_compiles == 1
+
+
+def test_concurrent_slow_compiles_are_capped(llm: LLM) -> None:
+    """A flood of distinct slow grammars ([a-z]{1,300}: ~0.5 s each on SmolLM2's
+    vocabulary) holds at most `max_concurrent` compile threads: the first two run past
+    the bound (400, remembered), the others find no slot within it (retry later, not
+    remembered), and a cached grammar is served at once all the while."""
+    compiler = GrammarCompiler(
+        llm.get_tokenizer(), llm.engine.vocab_size, {2}, timeout_s=0.1, max_concurrent=2
+    )
+    cached = StructuredOutputs(regex="[xyz]{4}")
+    compiler.compile(cached)
+    outcomes: list[str] = []
+    peak = [0]
+
+    def flood(i: int) -> None:
+        try:
+            compiler.compile(StructuredOutputs(regex=f"[a-z]{{1,{300 + i}}}"))
+            outcomes.append("compiled")
+        except InvalidParameterError:
+            outcomes.append("refused")
+        except EngineOverloadedError:
+            outcomes.append("busy")
+
+    threads = [threading.Thread(target=flood, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        running = sum(t.name == "pagedllm-grammar" for t in threading.enumerate())
+        peak[0] = max(peak[0], running)
+        start = time.perf_counter()
+        assert compiler.compile(cached) is not None
+        assert time.perf_counter() - start < 0.05  # a cache hit never waits for a slot
+        time.sleep(0.005)
+    assert sorted(outcomes) == ["busy"] * 3 + ["refused"] * 2, outcomes
+    assert peak[0] <= 2 and compiler.num_compiles == 1 + 2
+    # The runaway compiles end by themselves and give their slots back.
+    deadline = time.monotonic() + 60
+    while any(t.name == "pagedllm-grammar" for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_compiled_once_then_cached(llm: LLM) -> None:

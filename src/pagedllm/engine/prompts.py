@@ -11,6 +11,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagedllm.engine.chat_tools import render_for_template
 from pagedllm.errors import InvalidParameterError
 
 
@@ -36,18 +37,25 @@ def encode_chat(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     param: str = "messages",
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) under the
-    model's chat template."""
+    model's chat template, with the `tools` offered (OpenAI's function tools), if any:
+    in the template's own way, or in the Hermes format where it has none
+    (engine/chat_tools.py)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidParameterError(param, "this model has no chat template")
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str):
             check_text(content, f"{param}[{i}].content")
+    rendered, template_tools = render_for_template(tokenizer, messages, tools)
     try:
         text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            rendered,
+            tools=template_tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except Exception as exc:  # the template is user-visible Jinja: any error is the input's
         raise InvalidParameterError(param, f"cannot apply the chat template: {exc}") from None

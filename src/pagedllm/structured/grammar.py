@@ -24,13 +24,18 @@ from typing import Any
 
 import xgrammar as xgr
 
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import EngineOverloadedError, InvalidParameterError
 from pagedllm.sampling_params import StructuredOutputs
 
 # A pathological grammar (a schema whose automaton explodes) must be a 400, never a stall:
 # typical compiles take 1-30 ms on SmolLM2's 49k vocabulary (docs/serving.md).
 COMPILE_TIMEOUT_S = 10.0
 CACHE_SIZE = 64
+# Compiles running at once, a compile past the bound included (it cannot be interrupted
+# and runs on until it ends): a flood of distinct slow schemas holds at most this many
+# cores, and the engine keeps the rest. A request that finds every slot taken for
+# `timeout_s` is told to retry (EngineOverloadedError), and its grammar is not refused.
+MAX_CONCURRENT_COMPILES = 2
 # The library's messages open with "[time] /path/file.cc:line: ": the client needs the rest.
 _LOCATION = re.compile(r"^\s*\[[0-9:.]+\]\s*\S+:\d+:\s*")
 
@@ -46,6 +51,7 @@ class GrammarCompiler:
         *,
         timeout_s: float = COMPILE_TIMEOUT_S,
         cache_size: int = CACHE_SIZE,
+        max_concurrent: int = MAX_CONCURRENT_COMPILES,
     ) -> None:
         self.stop_token_ids = sorted(stop_token_ids)
         self.vocab_size = vocab_size
@@ -63,6 +69,7 @@ class GrammarCompiler:
         self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> why
         self._lock = threading.Lock()
         self._cache_size = cache_size
+        self._slots = threading.BoundedSemaphore(max_concurrent)
         # compiles started (cache misses), by the name of the thread that asked: the
         # server's tokenizer thread, never the engine's (for tests and figures)
         self.compiles_by_thread: Counter[str] = Counter()
@@ -74,6 +81,7 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputs, param: str | None = None) -> Any:
         """The compiled grammar of `spec` (cached); InvalidParameterError naming `param`
         (default `structured_outputs.<kind>`) if it cannot be compiled within
+        `timeout_s`; EngineOverloadedError if no compile slot came free within
         `timeout_s`."""
         key = spec.key()
         param = param or f"structured_outputs.{spec.kind}"
@@ -82,8 +90,6 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
             reason = self._refused.get(key)
-            if reason is None:
-                self.compiles_by_thread[threading.current_thread().name] += 1
         if reason is None:
             compiled, reason = self._compile_bounded(key)
             with self._lock:
@@ -105,10 +111,18 @@ class GrammarCompiler:
 
     def _compile_bounded(self, key: tuple[str, str]) -> tuple[Any, str | None]:
         """(the compiled grammar, None), or (None, why it cannot be used). Compiled on a
-        daemon thread, waited for at most `timeout_s`: the library cannot be interrupted,
-        so a compile past the bound runs on in the background, unwaited (and its grammar
-        is remembered as refused)."""
+        daemon thread holding one of the compile slots, waited for at most `timeout_s`:
+        the library cannot be interrupted, so a compile past the bound runs on in the
+        background, unwaited, keeping its slot until it ends (and its grammar is
+        remembered as refused)."""
         kind, text = key
+        if not self._slots.acquire(timeout=self.timeout_s):
+            raise EngineOverloadedError(
+                "every grammar compile slot has been busy for "
+                f"{self.timeout_s:g} s (other requests' grammars): retry later"
+            )
+        with self._lock:
+            self.compiles_by_thread[threading.current_thread().name] += 1
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -118,6 +132,7 @@ class GrammarCompiler:
             except Exception as exc:  # the library raises RuntimeError, and others
                 box["error"] = exc
             finally:
+                self._slots.release()
                 done.set()
 
         threading.Thread(target=run, name="pagedllm-grammar", daemon=True).start()

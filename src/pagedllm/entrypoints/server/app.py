@@ -23,7 +23,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-import pagedllm.entrypoints.server.protocol as p
+import pagedllm.entrypoints.server.responses as r
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.server.auth import ApiKey
@@ -40,6 +40,7 @@ from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.request_id import RequestIdMiddleware
 from pagedllm.entrypoints.server.routes import api_router, docs_router, ops_router
 from pagedllm.entrypoints.server.serving import Serving
+from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, parser_factory
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -64,13 +65,15 @@ def create_app(
     kv_view: bool = True,
     kv_view_text: bool = False,
     kv_view_interval: float = 0.25,
+    tool_call_parser: str = DEFAULT_PARSER,
 ) -> FastAPI:
     """The app; the engine loop starts with the app (or at the first request) and stops
     with it. `max_waiting` bounds the backlog: requests waiting beyond what the engine can
     admit (HTTP 503 past it). `body_timeout`: seconds a client has to send its whole body
     (HTTP 408 after). `allowed_origins`: browser origins allowed by CORS ("*" for any).
     `kv_view`: serve the KV view at /kv, updating every `kv_view_interval` seconds at most,
-    with token text only if `kv_view_text`."""
+    with token text only if `kv_view_text`. `tool_call_parser`: how the model writes a tool
+    call, read back under tool_choice "auto" (tool_parsers.py; ValueError if unknown)."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     elif max_waiting is not None:
@@ -80,7 +83,7 @@ def create_app(
     llm = engine.engine
     name = served_model_name or default_model_name(llm.config.model)
     metrics = ServerMetrics(engine)
-    serving = Serving(engine, metrics, name)
+    serving = Serving(engine, metrics, name, parser_factory(tool_call_parser))
 
     # FastAPI's own docs routes cannot take the key: docs_router's can.
     app = FastAPI(
@@ -106,7 +109,7 @@ def create_app(
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so on every response
 
     reader = RequestReader(BodyReader(max_request_bytes, body_timeout), name)
-    card = p.ModelCard(id=name, max_model_len=llm.max_model_len)
+    card = r.ModelCard(id=name, max_model_len=llm.max_model_len)
     app.include_router(api_router(serving, reader, card, key))
     if kv_view:
         feed = KVFeed(engine, text=kv_view_text, interval=kv_view_interval)

@@ -1,27 +1,27 @@
-"""The OpenAI wire format: pydantic request models (validated strictly, so a field of the
-wrong type is an error, not a silent conversion) and the response models.
+"""The OpenAI wire format of requests: the sampling fields both endpoints share
+(`SamplingRequest`) and the completions request; the chat request is in chat_protocol.py,
+its messages in messages.py, the response models in responses.py. Requests are validated
+strictly, so a field of the wrong type is an error, not a silent conversion.
 
 Requests accept OpenAI's sampling fields (logit_bias included) plus vLLM's extensions
 (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...), and
 structured output (chat's response_format, vLLM's guided_* and structured_outputs: see
 structured.py). Fields that would change the answer but that this server cannot honour
-(tools, image parts, suffix, ...) are refused by `check()` with InvalidParameterError
-naming them, rather than silently ignored; other unknown fields are ignored.
+(image parts, suffix, ...) are refused by `check()` with InvalidParameterError naming
+them, rather than silently ignored; other unknown fields are ignored.
 """
 
 from __future__ import annotations
 
 import re
-import time
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from pagedllm.engine.prompts import check_text
 from pagedllm.entrypoints.server.structured import Structured, from_fields
-from pagedllm.entrypoints.server.tools import ToolCalls, tool_calls
 from pagedllm.errors import UNSUPPORTED, InvalidParameterError
-from pagedllm.sampling_params import SamplingParams, StructuredOutputs
+from pagedllm.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -29,7 +29,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
@@ -129,7 +129,7 @@ class _SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     # text, token ids, or a batch of either: one engine request per prompt
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -140,7 +140,7 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        _refuse({"echo": self.echo, "suffix": bool(self.suffix)})
+        refuse({"echo": self.echo, "suffix": bool(self.suffix)})
         # The n best of best_of are known only at the end: a stream could not send them.
         if self.stream and self.best_of not in (None, self.n):
             raise InvalidParameterError("best_of", "best_of must equal n when streaming")
@@ -160,120 +160,6 @@ class CompletionRequest(_SamplingRequest):
         return self.structured_names()
 
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: str
-    content: str | list[ContentPart] | None = None
-    tool_call_id: str | None = None
-    tool_calls: Any = None
-
-    def check(self, where: str) -> None:
-        if self.role not in ROLES:
-            raise InvalidParameterError(
-                f"{where}.role",
-                f"{where}.role must be one of {', '.join(ROLES)}, got {self.role!r}",
-            )
-        if self.role == "tool" and self.tool_call_id is None:
-            raise InvalidParameterError(
-                f"{where}.tool_call_id", f"{where}.tool_call_id is required for role 'tool'"
-            )
-        _refuse({f"{where}.tool_calls": bool(self.tool_calls)})
-        if self.content is None:
-            raise InvalidParameterError(f"{where}.content", f"{where}.content is required")
-        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
-            if part.type != "text" or part.text is None:
-                raise InvalidParameterError(
-                    f"{where}.content[{j}]",
-                    f"{where}.content[{j}] must be a text part ({{'type': 'text', 'text': ...}}): "
-                    f"this model reads text only, got type {part.type!r}",
-                    UNSUPPORTED,
-                )
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text or "" for p in self.content or ())
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    prediction: Any = None
-
-    def check(self) -> None:
-        self.check_common()
-        for i, message in enumerate(self.messages):
-            message.check(f"messages[{i}]")
-        # Asking for nothing (no tools, plain text) is fine; anything else would be ignored.
-        _refuse(
-            {
-                "functions": bool(self.functions),
-                "function_call": self.function_call not in (None, "none"),
-                "audio": self.audio is not None,
-                "prediction": self.prediction is not None,
-            }
-        )
-        if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs: true")
-
-    def sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = self.max_tokens
-        top = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, top)
-
-    def param_names(self) -> dict[str, str]:
-        """Engine parameter -> this request's field, for error objects."""
-        max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
-        names = {"prompt": "messages", "max_tokens": max_tokens, "logprobs": "top_logprobs"}
-        return {**names, **self.structured_names()}
-
-    def _response_format(self) -> dict[str, Any] | None:
-        return self.response_format
-
-    def tool_calls(self) -> ToolCalls | None:
-        """The tool calls the request forces (tools + tool_choice), or None."""
-        return tool_calls(self.tools, self.tool_choice)
-
-    def structured(self) -> Structured | None:
-        asked = super().structured()
-        tools = self.tool_calls()
-        if tools is None:
-            return asked
-        if asked is not None:
-            raise InvalidParameterError(
-                asked.field,
-                f"{asked.field} cannot be combined with tool_choice {self.tool_choice!r}",
-            )
-        return Structured(StructuredOutputs(json=tools.schema), tools.field)
-
-    def conversation(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's new name for "system"; chat templates know the old one
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
-
-
 # Plain decimal only: int() would also read "1_0" as 10, and " 7" or "+7" as 7. A leading
 # "-" passes, so that the engine answers with the vocabulary's range.
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,18}")
@@ -291,45 +177,10 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(k): v for k, v in bias.items()}
 
 
-def _refuse(asked: dict[str, bool]) -> None:
+def refuse(asked: dict[str, bool]) -> None:
     """InvalidParameterError for the first field the request asked for (True)."""
     for param, yes in asked.items():
         if yes:
             raise InvalidParameterError(
                 param, f"{param} is not supported by this server", UNSUPPORTED
             )
-
-
-# ------------------------------------------------------------------ responses
-class CompletionLogProbs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedllm"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def dump(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(mode="json")

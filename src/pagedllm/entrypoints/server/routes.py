@@ -10,13 +10,15 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-import pagedllm.entrypoints.server.protocol as p
+import pagedllm.entrypoints.server.responses as r
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.server.auth import ApiKey
 from pagedllm.entrypoints.server.body import RequestReader, model_not_found
+from pagedllm.entrypoints.server.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.server.csp import policy
 from pagedllm.entrypoints.server.errors import APIError
 from pagedllm.entrypoints.server.metrics import ServerMetrics
+from pagedllm.entrypoints.server.protocol import CompletionRequest
 from pagedllm.entrypoints.server.serving import Serving
 
 # Where FastAPI's docs pages load Swagger UI and ReDoc from (its defaults).
@@ -25,31 +27,31 @@ DOCS_FONTS = ("https://fonts.googleapis.com", "https://fonts.gstatic.com")
 
 
 def api_router(
-    serving: Serving, reader: RequestReader, card: p.ModelCard, api_key: ApiKey
+    serving: Serving, reader: RequestReader, card: r.ModelCard, api_key: ApiKey
 ) -> APIRouter:
     """POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models[/{id}]."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        return await serving.completions(await reader.read(request, p.CompletionRequest), request)
+        return await serving.completions(await reader.read(request, CompletionRequest), request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serving.chat(await reader.read(request, p.ChatCompletionRequest), request)
+        return await serving.chat(await reader.read(request, ChatCompletionRequest), request)
 
     # HEAD (for probes) stays out of the schema: one operation per route there.
     @v1.head("/models", include_in_schema=False)
     @v1.get("/models")
     async def models() -> JSONResponse:
-        return JSONResponse(p.dump(p.ModelList(data=[card])))
+        return JSONResponse(r.dump(r.ModelList(data=[card])))
 
     @v1.head("/models/{model_id:path}", include_in_schema=False)
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
         if model_id != card.id:
             raise model_not_found(model_id, card.id)
-        return JSONResponse(p.dump(card))
+        return JSONResponse(r.dump(card))
 
     return v1
 

@@ -15,6 +15,7 @@ from pagedllm.entrypoints.server.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     check_limits,
 )
+from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
@@ -74,6 +75,13 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="let the KV view show the token text held in each block (default: ids and "
         "counts only)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=DEFAULT_PARSER,
+        choices=sorted(PARSERS),
+        help="the model's tool-call format, read back under tool_choice 'auto' "
+        "(default %(default)s: <tool_call>{...}</tool_call>, as Hermes, Qwen and SmolLM2 write)",
     )
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -142,6 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enable_docs=args.enable_docs,
             kv_view=args.kv_view,
             kv_view_text=args.kv_view_text,
+            tool_call_parser=args.tool_call_parser,
         )
         key = "required" if args.api_key else "not required"
         if args.api_key == "":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -25,23 +25,28 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-import pagedllm.entrypoints.server.protocol as p
+import pagedllm.entrypoints.server.responses as r
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.entrypoints.server.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.server.errors import from_invalid_param
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
+from pagedllm.entrypoints.server.protocol import CompletionRequest
 from pagedllm.entrypoints.server.request_id import request_id
 from pagedllm.entrypoints.server.streaming import (
     Delta,
     DeltaTracker,
     Generation,
     collect,
+    overloaded,
     sse_response,
     submit,
     usage_of,
 )
-from pagedllm.errors import InvalidParameterError
+from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS, ToolParser
+from pagedllm.entrypoints.server.tool_stream import ToolCallStream
+from pagedllm.errors import EngineOverloadedError, InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -90,6 +95,8 @@ class Serving:
     engine: AsyncLLMEngine
     metrics: ServerMetrics
     model_name: str
+    # how the model writes a tool call (tool_parsers.py), read back under "auto"
+    parser_factory: Callable[[Collection[str]], ToolParser] = PARSERS[DEFAULT_PARSER]
     encoder: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,7 +115,7 @@ class Serving:
     # ------------------------------------------------------------ the shared flow
     async def _start(
         self,
-        req: p.CompletionRequest | p.ChatCompletionRequest,
+        req: CompletionRequest | ChatCompletionRequest,
         raw: Request,
         prefix: str,
         encode: Callable[[], Awaitable[list[list[int]]]],
@@ -125,9 +132,12 @@ class Serving:
             structured = req.structured()
             if structured is not None:  # compiled here, so that the engine finds it cached
                 engine = self.engine.engine
-                await self.encoder.compile_grammar(
-                    lambda: engine.compile_grammar(structured.spec, structured.field)
-                )
+                try:
+                    await self.encoder.compile_grammar(
+                        lambda: engine.compile_grammar(structured.spec, structured.field)
+                    )
+                except EngineOverloadedError as exc:  # other grammars hold every slot
+                    raise overloaded(exc) from None
             gen = await submit(self.engine, self.metrics, rid, prompts, params, arrival, client_id)
         logger.info(
             "request %s: %s, engine request %s, %d prompt(s)",
@@ -141,7 +151,7 @@ class Serving:
     async def _respond(
         self,
         s: Started,
-        req: p.CompletionRequest | p.ChatCompletionRequest,
+        req: CompletionRequest | ChatCompletionRequest,
         raw: Request,
         objects: tuple[str, str],
         stream_choices: Callable[[int, RequestOutput], Iterable[Choices]],
@@ -166,7 +176,7 @@ class Serving:
         return JSONResponse(s.body(whole_obj, final_choices(finals), usage_of(finals)))
 
     # ---------------------------------------------------------- completions
-    async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         s = await self._start(req, raw, "cmpl", lambda: self.encoder.prompts(req.prompts()))
         k = req.logprobs
         n = s.params.n
@@ -192,7 +202,7 @@ class Serving:
         return await self._respond(s, req, raw, objects, stream_choices, final_choices)
 
     def _completion_logprobs(self, d: Delta, k: int) -> dict[str, Any]:
-        out = p.CompletionLogProbs()
+        out = r.CompletionLogProbs()
         offset = 0
         for token, top in zip(d.token_ids, d.logprobs or [], strict=False):
             s = self.token_str(token)
@@ -202,27 +212,33 @@ class Serving:
             offset += len(s)
             best = sorted(top.items(), key=lambda kv: -kv[1])[:k]
             out.top_logprobs.append({self.token_str(t): lp for t, lp in best} if k else None)
-        return p.dump(out)
+        return r.dump(out)
 
     # ----------------------------------------------------------------- chat
-    async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         async def encode() -> list[list[int]]:
-            return [await self.encoder.chat(req.conversation(), req.add_generation_prompt)]
+            conversation, tools = req.conversation(), req.offered_tools()
+            return [await self.encoder.chat(conversation, req.add_generation_prompt, tools)]
 
         s = await self._start(req, raw, "chatcmpl", encode)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        tools = req.tool_calls()
-        texts: dict[int, str] = {}  # with tools: each choice's text so far (sent whole)
+        use = req.tool_use()
+        streams: dict[int, ToolCallStream] = {}  # with tools: each choice's call stream
 
-        def message(d: Delta, text: str) -> tuple[dict[str, Any], str | None]:
-            """The choice's message (or last delta) and finish reason."""
-            calls = tools.calls(text) if tools and d.finish_reason == "stop" else None
-            if calls is None:
-                return {"role": "assistant", "content": text}, d.finish_reason
-            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        def tool_stream(index: int) -> ToolCallStream:
+            assert use is not None
+            return streams.setdefault(index, ToolCallStream(use, self.parser_factory))
+
+        def finish(d: Delta) -> str | None:
+            """ "tool_calls" for a choice that ended by itself after making calls."""
+            made = use is not None and tool_stream(d.index).calls > 0
+            return "tool_calls" if made and d.finish_reason == "stop" else d.finish_reason
 
         def lps(d: Delta) -> dict[str, Any] | None:
             return None if k is None else {"content": self._chat_logprobs(d, k)}
+
+        def chunk(d: Delta, delta: dict[str, Any], reason: str | None) -> Choices:
+            return [{"index": d.index, "delta": delta, "logprobs": lps(d), "finish_reason": reason}]
 
         started: set[int] = set()
 
@@ -234,40 +250,33 @@ class Serving:
                     yield [
                         {"index": d.index, "delta": first, "logprobs": None, "finish_reason": None}
                     ]
-                if tools is not None:  # a call is sent whole, once it is complete
-                    texts[d.index] = texts.get(d.index, "") + d.text
-                    if d.finish_reason is None:
-                        continue
-                    delta, finish = message(d, texts[d.index])
-                    if "tool_calls" in delta:
-                        delta["tool_calls"] = [
-                            {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
-                        ]
-                    yield [
-                        {
-                            "index": d.index,
-                            "delta": delta,
-                            "logprobs": lps(d),
-                            "finish_reason": finish,
-                        }
-                    ]
-                elif worth_sending(d, k):
-                    delta = {"content": d.text} if d.text else {}
-                    yield [
-                        {
-                            "index": d.index,
-                            "delta": delta,
-                            "logprobs": lps(d),
-                            "finish_reason": d.finish_reason,
-                        }
-                    ]
+                if use is None:
+                    if worth_sending(d, k):
+                        yield chunk(d, {"content": d.text} if d.text else {}, d.finish_reason)
+                    continue
+                calls = tool_stream(d.index)
+                text, deltas = calls.feed(d.text)
+                if d.finish_reason is not None:
+                    more, rest = calls.finish()
+                    text, deltas = text + more, deltas + rest
+                delta: dict[str, Any] = {"content": text} if text else {}
+                if deltas:
+                    delta["tool_calls"] = deltas
+                if delta or d.finish_reason or (k is not None and d.token_ids):
+                    yield chunk(d, delta, finish(d))
 
         def final_choices(finals: list[RequestOutput]) -> Choices:
             choices = []
             for d in s.deltas.deltas(finals[0]):
-                msg, finish = message(d, d.text)
+                msg: dict[str, Any] = {"role": "assistant", "content": d.text}
+                if use is not None:
+                    whole = tool_stream(d.index).whole(d.text)
+                    msg["content"] = whole.content
+                    if whole.calls:
+                        msg["tool_calls"] = whole.calls
+                reason = finish(d)
                 choices.append(
-                    {"index": d.index, "message": msg, "logprobs": lps(d), "finish_reason": finish}
+                    {"index": d.index, "message": msg, "logprobs": lps(d), "finish_reason": reason}
                 )
             return choices
 
@@ -280,12 +289,12 @@ class Serving:
             s = self.token_str(token)
             best = sorted(top.items(), key=lambda kv: -kv[1])[:k]
             content.append(
-                p.ChatTokenLogprob(
+                r.ChatTokenLogprob(
                     token=s,
                     logprob=top.get(token, float("-inf")),
                     bytes=list(s.encode()),
                     top_logprobs=[
-                        p.TopLogprob(
+                        r.TopLogprob(
                             token=self.token_str(t),
                             logprob=lp,
                             bytes=list(self.token_str(t).encode()),
@@ -294,4 +303,4 @@ class Serving:
                     ],
                 )
             )
-        return [p.dump(c) for c in content]
+        return [r.dump(c) for c in content]

@@ -73,14 +73,19 @@ async def submit(
             [(rid, prompt, params) for rid, prompt in zip(ids, prompts, strict=True)]
         )
     except EngineOverloadedError as exc:
-        raise APIError(
-            503, str(exc), code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
-        ) from None
+        raise overloaded(exc) from None
     return Generation(
         stream,
         {rid: metrics.tracker(arrival) for rid in ids},
         {rid: i for i, rid in enumerate(ids)},
         client_id,
+    )
+
+
+def overloaded(exc: EngineOverloadedError) -> APIError:
+    """The 503 (with Retry-After) of a request the server has no room for now."""
+    return APIError(
+        503, str(exc), code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
     )
 
 

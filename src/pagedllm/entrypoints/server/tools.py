@@ -1,73 +1,58 @@
-"""Tool calling by grammar: chat's `tools` with `tool_choice` "required" or a named function.
+"""Tool calling: chat's `tools` and `tool_choice` -> how the output becomes tool calls.
 
-The output is constrained to the call's JSON, so it parses whatever the model: a named
-function's output is its arguments (the function's parameter schema); "required" gives a
-JSON array of one or more `{"name", "parameters"}` calls, each one of the tools (vLLM's
-shape). The answer carries `message.tool_calls` (ids `call_` + 24 hex digits) and
-`finish_reason: "tool_calls"`. "none" ignores the tools. "auto" (and no tool_choice, which
-means "auto") is refused: choosing between text and a call needs the model's own
-tool-call format and parser, which this server does not have yet.
+* "auto" (the default when tools are given): the tools are offered through the chat
+  template (engine/chat_tools.py) and the model's own call format is parsed from its text
+  by the server's tool-call parser (tool_parsers.py); text outside the calls stays content.
+* "required" or a named function: the output is constrained by a grammar to the call's
+  JSON, so it parses whatever the model. A named function's output is its arguments (its
+  parameter schema); "required" gives a JSON array of one or more `{"name", "parameters"}`
+  calls, each one of the tools (vLLM's shape). The tools are offered to the model too.
+* "none": the tools are not offered to the model, and nothing is parsed.
+
+Calls carry ids `call_` + 24 hex digits; `finish_reason` is "tool_calls" when the output
+ended by itself with at least one call. tool_stream.py turns the text into calls, in
+pieces while streaming.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from pagedllm.errors import UNSUPPORTED, InvalidParameterError
+from pagedllm.errors import InvalidParameterError
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
-class ToolCalls:
-    """How a request's output becomes tool calls: `named` is the forced function, or None
-    for "required" (an array of calls)."""
+class ToolUse:
+    """What a request's tools do. `schema` (with `field`, the request's field it comes
+    from, for errors) constrains the output for "required" and "named"; `named` is the
+    forced function's name."""
 
-    schema: dict[str, Any]
-    named: str | None
-    field: str  # the request's field the schema comes from, for errors
-
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The tool calls of a finished output; None if it does not parse (it was cut
-        short by max_tokens)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        if self.named is not None:
-            pairs = [(self.named, value)]
-        else:
-            pairs = [(call["name"], call["parameters"]) for call in value]
-        return [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
-            }
-            for name, args in pairs
-        ]
+    mode: Literal["auto", "required", "named"]
+    tools: tuple[dict[str, Any], ...]  # offered to the chat template
+    functions: dict[str, dict[str, Any]]  # name -> parameter schema
+    schema: dict[str, Any] | None = None
+    field: str = "tools"
+    named: str | None = None
 
 
-def tool_calls(tools: Any, tool_choice: Any) -> ToolCalls | None:
-    """The tool calls the request forces, or None (no tools, or tool_choice "none");
-    InvalidParameterError names the field that is wrong or unsupported."""
+def tool_use(tools: Any, tool_choice: Any) -> ToolUse | None:
+    """How the request uses its tools, or None (no tools, or tool_choice "none");
+    InvalidParameterError names the field that is wrong."""
     if tool_choice == "none" or (not tools and tool_choice is None):
+        if tools:
+            _functions(tools)  # checked all the same: a bad request is a bad request
         return None
     if not tools:
         raise InvalidParameterError("tool_choice", "tool_choice needs tools")
     functions = _functions(tools)
+    offered = tuple(tools)
     if tool_choice in (None, "auto"):
-        raise InvalidParameterError(
-            "tool_choice",
-            'tool_choice "auto" (the default with tools) is not supported by this server: '
-            'use "required", a named function, or "none"',
-            UNSUPPORTED,
-        )
+        return ToolUse("auto", offered, functions)
     if tool_choice == "required":
         calls = [
             {
@@ -79,7 +64,7 @@ def tool_calls(tools: Any, tool_choice: Any) -> ToolCalls | None:
             for name, params in functions.items()
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        return ToolCalls(schema, None, "tools")
+        return ToolUse("required", offered, functions, schema, "tools")
     name = _named(tool_choice)
     if name not in functions:
         raise InvalidParameterError(
@@ -87,7 +72,7 @@ def tool_calls(tools: Any, tool_choice: Any) -> ToolCalls | None:
             f"tool_choice.function.name {name!r} is not one of the tools: " + ", ".join(functions),
         )
     where = f"tools[{list(functions).index(name)}].function.parameters"
-    return ToolCalls(functions[name], name, where)
+    return ToolUse("named", offered, functions, functions[name], where, name)
 
 
 def _functions(tools: Any) -> dict[str, dict[str, Any]]:
