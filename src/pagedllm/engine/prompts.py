@@ -40,7 +40,11 @@ def encode_chat(
     """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) under the
     model's chat template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise InvalidParameterError(param, "this model has no chat template")
+        raise InvalidParameterError(
+            param,
+            "this model has no chat template (a base model, not an instruction-tuned one), so "
+            "it cannot take chat messages; send the text as a plain prompt instead",
+        )
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str):
