@@ -22,7 +22,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.server.app import create_app
-from pagedllm.loader import ModelLoadError, default_model_path
+from pagedllm.loader import LoadedModel, ModelLoadError, default_model_path
 
 OPTIONS: dict[str, Any] = dict(num_kv_blocks=256, block_size=16)
 NAME = "tiny"
@@ -96,11 +96,17 @@ class LiveServer:
         self.thread.join(10)
 
 
-def start_server(model_dir: Path, engine_options: dict[str, Any] | None = None, **app: Any):
+def start_server(
+    model_dir: Path | str,
+    engine_options: dict[str, Any] | None = None,
+    loaded: LoadedModel | None = None,
+    **app: Any,
+):
     """A LiveServer over a fresh engine, built on its loop thread as `pagedllm serve`
-    builds it; `app` goes to create_app."""
+    builds it (over `loaded`, the model already loaded from `model_dir`, if given); `app`
+    goes to create_app."""
     config = EngineConfig(model=str(model_dir), **{**OPTIONS, **(engine_options or {})})
-    engine = AsyncLLMEngine.build(lambda: LLMEngine(config))
+    engine = AsyncLLMEngine.build(lambda: LLMEngine(config, loaded))
     return LiveServer(create_app(engine, served_model_name=NAME, **app))
 
 

