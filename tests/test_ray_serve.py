@@ -149,6 +149,39 @@ def test_serve_takes_the_ray_options() -> None:
     assert (error.param, str(error), error.code) == ("max_tokens", "too many", "x")
 
 
+def test_the_scale_out_bench_reports_its_figures(
+    ray_url: str, chat_model_dir: Path, tmp_path: Path
+) -> None:
+    """`pagedllm bench scale-out` at a tiny size on this module's cluster, next to its
+    application (under /bench, reserving no CPU): one system, to keep it short; the
+    comparisons between systems are tested in test_bench_scale_out.py."""
+    from pagedllm.bench import scale_out
+    from pagedllm.entrypoints.cli import build_parser
+
+    argv = ["bench", "scale-out", "--model", str(chat_model_dir), "--num-kv-blocks", "64"]
+    argv += ["--systems", "single", "--num-replicas", "2", "--replica-cpus", "0"]
+    argv += ["--conversations", "2", "--turns", "2", "--passage-words", "40"]
+    argv += ["--output-len", "4", "--port", ray_url.rsplit(":", 1)[1]]
+    argv += ["--route-prefix", "/bench", "--out", str(tmp_path)]
+    result = scale_out.run(build_parser().parse_args(argv))
+    assert result["exit_code"] == 0 and result["errors"] == []
+    (row,) = result["results"]
+    assert (row["system"], row["replicas"], row["kv_blocks_per_replica"]) == ("single", 1, 128)
+    assert (row["turns"], row["failed"]) == (4, 0) and 0 < row["output_tokens"] <= 16
+    assert row["computed_tokens"] == row["prompt_tokens"] - row["cached_tokens"] > 0
+    assert 0 < row["later_turn_hit_rate"] <= 1 and 0 < row["hit_rate"] < 1
+    assert row["ttft_mean_ms"] > 0 and row["output_throughput"] > 0
+    assert row["torch_threads_per_replica"] >= 1
+    assert (row["hit_rate_vs_single"], row["computed_vs_pow2"]) == (1.0, None)
+    turns = {(t["conversation"], t["turn"]): t for t in result["records"]["single"]}
+    for conversation in (0, 1):  # the second turn gets the first's full prompt blocks
+        first, second = turns[conversation, 0], turns[conversation, 1]
+        assert second["cached_tokens"] >= full_blocks(first["prompt_tokens"])
+    assert (tmp_path / "scale-out.json").exists() and (tmp_path / "scale-out.md").exists()
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [name for name in names if "scale-out" in name]  # taken down
+
+
 def engine_replicas() -> dict[str, Any]:
     """The live engine replicas' actors by name."""
     names = [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pagedllm.bench import engine_benches, quality, report, serve, sweep_benches
+from pagedllm.bench import engine_benches, quality, report, scale_out, serve, sweep_benches
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -15,7 +15,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     sweep_benches.add_parsers(sub)
     engine_benches.add_parsers(sub)
-    for module in (quality, serve, report):
+    for module in (quality, serve, scale_out, report):
         module.add_parser(sub)
     for parser in sub.choices.values():
         run = parser.get_default("func")
