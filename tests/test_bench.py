@@ -13,7 +13,7 @@ import pytest
 from live_server import build_chat_model
 from pagedllm.bench.baselines import pack_static_batches, padded_utilization
 from pagedllm.bench.output import distribution
-from pagedllm.bench.report import claims_rows
+from pagedllm.bench.report import KEPT, claims_rows, with_kept_sections
 from pagedllm.bench.sweep import run_workload
 from pagedllm.bench.sweep_benches import latency_stats
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, make_workload
@@ -404,3 +404,13 @@ def test_list_options_and_sweeps(tiny_llama_dir: Path, tmp_path: Path, capsys) -
     assert "block_size must be in [1, 256], got 512" in capsys.readouterr().err
     assert main([*base, "--block-sizes", "8", "--block-size", "16"]) == 2
     assert "give --block-sizes or --block-size, not both" in capsys.readouterr().err
+
+
+def test_the_report_keeps_the_sections_measured_apart(tmp_path: Path) -> None:
+    page = tmp_path / "benchmarks.md"
+    assert with_kept_sections("# new\n", str(page)) == "# new\n"  # no page yet
+    page.write_text("# old suite\n\ntable\n")
+    assert with_kept_sections("# new\n", str(page)) == "# new\n"
+    page.write_text(f"# old suite\n\n{KEPT}\n\n## scale-out\n\nits table\n")
+    kept = with_kept_sections("# new\n", str(page))
+    assert kept == f"# new\n\n{KEPT}\n\n## scale-out\n\nits table\n"

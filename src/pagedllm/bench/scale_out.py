@@ -280,6 +280,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.conversations, args.turns, args.passage_words, args.output_len, args.seed
     )
     conversations = make_conversations(spec, *load_texts())
+    model = os.path.basename((args.model or "SmolLM2-135M-Instruct (default)").rstrip("/"))
+    config = {"num_replicas": args.num_replicas, "replica_cpus": args.replica_cpus}
+    config |= {"block_size": args.block_size, "max_imbalance": args.max_imbalance}
+    result = options.new_result("scale-out", args, model, config)  # the load before the run
     started = not ray.is_initialized()
     if started:  # a cluster of just the replicas' CPUs
         cpus = math.ceil(max(args.num_replicas * args.replica_cpus, args.single_cpus or 0, 1))
@@ -296,10 +300,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if started:
             serve.shutdown()
             ray.shutdown()
-    model = os.path.basename((args.model or "SmolLM2-135M-Instruct (default)").rstrip("/"))
-    config = {"num_replicas": args.num_replicas, "replica_cpus": args.replica_cpus}
-    config |= {"block_size": args.block_size, "max_imbalance": args.max_imbalance}
-    result = options.new_result("scale-out", args, model, config, rows)
+    result["results"] = rows
+    result["environment"]["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     result["workload"] = {
         "conversations": spec.conversations,
         "turns": spec.turns,
