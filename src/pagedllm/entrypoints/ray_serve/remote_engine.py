@@ -94,7 +94,8 @@ class RemoteEngine:
                 if not replica_lost(exc):
                     raise _cause(exc) from None
                 # Nothing ran on the dead replica: sending the request again is safe.
-                await asyncio.sleep(RESEND_DELAY_S * (attempt + 1))
+                if attempt + 1 < SEND_ATTEMPTS:
+                    await asyncio.sleep(RESEND_DELAY_S * (attempt + 1))
                 continue
             return RemoteStream(self, [r[0] for r in requests], calls)
         raise EngineOverloadedError(
