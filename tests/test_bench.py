@@ -13,7 +13,7 @@ import pytest
 from live_server import build_chat_model
 from pagedllm.bench.baselines import pack_static_batches, padded_utilization
 from pagedllm.bench.output import distribution
-from pagedllm.bench.report import claims_rows
+from pagedllm.bench.report import KEPT, claims_rows, with_kept_sections
 from pagedllm.bench.sweep import run_workload
 from pagedllm.bench.sweep_benches import latency_stats
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, make_workload
@@ -425,3 +425,13 @@ def test_structured_bench_times_masks_and_compiles(
     assert len(summary) == 2 * 6
     assert "the KV pool was not whole" not in " ".join(result["notes"])
     assert "ratio" in (out / "structured.md").read_text()
+
+
+def test_the_report_keeps_the_sections_measured_apart(tmp_path: Path) -> None:
+    page = tmp_path / "benchmarks.md"
+    assert with_kept_sections("# new\n", str(page)) == "# new\n"  # no page yet
+    page.write_text("# old suite\n\ntable\n")
+    assert with_kept_sections("# new\n", str(page)) == "# new\n"
+    page.write_text(f"# old suite\n\n{KEPT}\n\n## scale-out\n\nits table\n")
+    kept = with_kept_sections("# new\n", str(page))
+    assert kept == f"# new\n\n{KEPT}\n\n## scale-out\n\nits table\n"

@@ -3,13 +3,20 @@ chat model behind the OpenAI ingress of `pagedllm serve`. Each turn of a multi-t
 conversation goes to the replica that cached the turns before it (the prefix-aware
 router), so the cached prompt tokens grow turn after turn by at least the previous
 prompt's full blocks; the ingress keeps the key, the errors and streaming of the server.
-Skipped where ray is not installed."""
+A replica killed while it streams ends its requests with clean errors, new requests go
+to the live replica, and Ray Serve brings up a replacement. Skipped where ray is not
+installed."""
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import signal
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +53,11 @@ def ray_url(chat_model_dir: Path) -> Iterator[str]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = EngineConfig(model=str(chat_model_dir), num_kv_blocks=256, block_size=BLOCK)
-        options = RayServeOptions(num_replicas=2, router=RouterOptions(stats_period_s=0.5))
+        options = RayServeOptions(
+            num_replicas=2,
+            router=RouterOptions(stats_period_s=0.5),
+            health_check_period_s=1.0,  # a killed replica is replaced within seconds
+        )
         app = build_app(config, options, api_key=KEY, served_model_name=NAME)
         serve.run(app, name="pagedllm", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -138,12 +149,128 @@ def test_serve_takes_the_ray_options() -> None:
     assert (error.param, str(error), error.code) == ("max_tokens", "too many", "x")
 
 
-def replica_stats() -> list[dict[str, Any]]:
-    """Each engine replica's routing stats, asked of its actor directly."""
+def test_the_scale_out_bench_reports_its_figures(
+    ray_url: str, chat_model_dir: Path, tmp_path: Path
+) -> None:
+    """`pagedllm bench scale-out` at a tiny size on this module's cluster, next to its
+    application (under /bench, reserving no CPU): one system, to keep it short; the
+    comparisons between systems are tested in test_bench_scale_out.py."""
+    from pagedllm.bench import scale_out
+    from pagedllm.entrypoints.cli import build_parser
+
+    argv = ["bench", "scale-out", "--model", str(chat_model_dir), "--num-kv-blocks", "64"]
+    argv += ["--systems", "single", "--num-replicas", "2", "--replica-cpus", "0"]
+    argv += ["--conversations", "2", "--turns", "2", "--passage-words", "40"]
+    argv += ["--output-len", "4", "--port", ray_url.rsplit(":", 1)[1]]
+    argv += ["--route-prefix", "/bench", "--out", str(tmp_path)]
+    result = scale_out.run(build_parser().parse_args(argv))
+    assert result["exit_code"] == 0 and result["errors"] == []
+    (row,) = result["results"]
+    assert (row["system"], row["replicas"], row["kv_blocks_per_replica"]) == ("single", 1, 128)
+    assert (row["turns"], row["failed"]) == (4, 0) and 0 < row["output_tokens"] <= 16
+    assert row["computed_tokens"] == row["prompt_tokens"] - row["cached_tokens"] > 0
+    assert 0 < row["later_turn_hit_rate"] <= 1 and 0 < row["hit_rate"] < 1
+    assert row["ttft_mean_ms"] > 0 and row["output_throughput"] > 0
+    assert row["torch_threads_per_replica"] >= 1
+    assert (row["hit_rate_vs_single"], row["computed_vs_pow2"]) == (1.0, None)
+    turns = {(t["conversation"], t["turn"]): t for t in result["records"]["single"]}
+    for conversation in (0, 1):  # the second turn gets the first's full prompt blocks
+        first, second = turns[conversation, 0], turns[conversation, 1]
+        assert second["cached_tokens"] >= full_blocks(first["prompt_tokens"])
+    assert (tmp_path / "scale-out.json").exists() and (tmp_path / "scale-out.md").exists()
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [name for name in names if "scale-out" in name]  # taken down
+
+
+def engine_replicas() -> dict[str, Any]:
+    """The live engine replicas' actors by name."""
     names = [
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
         if "EngineReplica" in a["name"]
     ]
-    actors = [ray.get_actor(name, namespace="serve") for name in names]
+    return {name: ray.get_actor(name, namespace="serve") for name in names}
+
+
+def replica_stats() -> list[dict[str, Any]]:
+    """Each engine replica's routing stats, asked of its actor directly."""
+    actors = engine_replicas().values()
     return ray.get([a.record_routing_stats.remote() for a in actors], timeout=30)
+
+
+def wait_for(what: Callable[[], Any], seconds: float, message: str) -> Any:
+    """`what()` once it is truthy, polled until `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{message} within {seconds} s")
+
+
+def pid_of(actor: Any) -> int:
+    """The process id of a replica's actor."""
+    return int(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30))
+
+
+def busy_replica(actors: dict[str, Any]) -> str | None:
+    """The replica running (or queuing) two requests, if one is."""
+    for name, actor in actors.items():
+        stats = ray.get(actor.record_routing_stats.remote(), timeout=10)
+        if stats["running"] + stats["waiting"] >= 2:
+            return name
+    return None
+
+
+def test_a_replica_killed_while_it_streams(ray_url: str) -> None:
+    actors = engine_replicas()
+    assert len(actors) == 2
+    pids = {name: pid_of(actor) for name, actor in actors.items()}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": NAME, "prompt": "A long story about the sea. " * 8, "temperature": 0}
+    body |= {"max_tokens": 400, "ignore_eos": True}
+    timeout = httpx.Timeout(30.0)  # every wait below is bounded: a hang fails the test
+    with (
+        httpx.Client(base_url=ray_url, headers=headers, timeout=timeout) as http,
+        ThreadPoolExecutor(1) as pool,
+        http.stream("POST", "/v1/completions", json=body | {"stream": True}) as stream,
+    ):
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it streams
+        # The same prompt: the router sends it to the replica holding its prefix.
+        whole = pool.submit(httpx.post, ray_url + "/v1/completions", json=body, headers=headers)
+        busy = wait_for(lambda: busy_replica(actors), 10, "the requests did not run on one replica")
+        os.kill(pids[busy], signal.SIGKILL)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+        r = whole.result(timeout=30)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["code"], error["type"]) == ("engine_error", "server_error")
+    assert "replica" in error["message"]
+    assert all("choices" in json.loads(e) for e in events[:-2])  # text, then the error
+    check_error(r, 500)
+    assert r.json()["error"]["code"] == "engine_error"
+    # New requests, the dead replica's prefix included, are answered by the live replica.
+    c = client(ray_url)
+    for prompt in [body["prompt"], "Once upon", "Hello there", "A long story about the sea."]:
+        out = c.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4
+    # Ray Serve replaces the dead replica: a new actor in a new process.
+    replaced = wait_for(
+        lambda: (names := set(engine_replicas())) - set(actors) and len(names) == 2 and names,
+        60,
+        "the dead replica was not replaced",
+    )
+    new = engine_replicas()[next(iter(replaced - set(actors)))]
+    assert pid_of(new) != pids[busy]
+    assert busy not in replaced
+    # A conversation after the replacement follows its cache again.
+    messages = [{"role": "user", "content": "Tell me about rivers and lakes. " * 4}]
+    first = c.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+    messages += [{"role": "user", "content": "More."}]
+    second = c.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= full_blocks(first.usage.prompt_tokens) > 0

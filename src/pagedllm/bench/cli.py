@@ -7,7 +7,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pagedllm.bench import engine_benches, quality, report, serve, structured, sweep_benches
+from pagedllm.bench import (
+    engine_benches,
+    quality,
+    report,
+    scale_out,
+    serve,
+    structured,
+    sweep_benches,
+)
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -15,7 +23,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     sweep_benches.add_parsers(sub)
     engine_benches.add_parsers(sub)
-    for module in (quality, structured, serve, report):
+    for module in (quality, structured, serve, scale_out, report):
         module.add_parser(sub)
     for parser in sub.choices.values():
         run = parser.get_default("func")

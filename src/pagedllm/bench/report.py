@@ -2,7 +2,9 @@
 
 The suite's benches run in this one process on one loaded model (about 10 minutes on 2
 CPU cores), each writing its files under `--out/<bench>`. The page sets each of the vLLM
-paper's claims beside what we measured, our goal, the verdict and the command.
+paper's claims beside what we measured, our goal, the verdict and the command. Whatever
+an existing page holds from the `KEPT` line on (benches measured apart from the suite,
+such as `bench scale-out`) is carried over to the new page unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 from pagedllm.bench import engine_benches, sweep_benches
 from pagedllm.bench.output import fmt, markdown_body, markdown_table
+
+KEPT = "<!-- Measured apart from the suite: `pagedllm bench report` keeps what follows. -->"
 
 # bench: its options, and the ones that shrink it with --quick. reserve-pow2 runs in
 # `memory` only: its model run would push the suite past 10 minutes.
@@ -160,11 +164,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, result in results.items():
         page += "\n".join(["", f"## {name}", "", *markdown_body(result), ""])
     os.makedirs(os.path.dirname(os.path.abspath(args.docs)), exist_ok=True)
+    page = with_kept_sections(page, args.docs)
     with open(args.docs, "w", encoding="utf-8") as f:
         f.write(page)
     print("\n" + markdown_table(claims, COLUMNS.rsplit("|", 1)[0]))
     print(f"\nwrote {args.docs}; suite took {took}")
     return {"bench": "report", "claims": claims, "seconds": seconds, "results": results}
+
+
+def with_kept_sections(page: str, path: str) -> str:
+    """`page`, then what the page at `path` holds from its KEPT line on (if anything)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = f.read()
+    except FileNotFoundError:
+        return page
+    at = old.find(KEPT)
+    return page if at < 0 else page.rstrip("\n") + "\n\n" + old[at:]
 
 
 def claims_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, str]]:

@@ -79,10 +79,19 @@ class RayServeOptions:
     # Ray actor options of each engine replica, e.g. {"num_cpus": 2} or {"num_gpus": 1}.
     replica_actor_options: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int = 256  # per replica: what Ray Serve sends it at once
+    # How often Serve's controller checks each replica (Ray's defaults): a replica whose
+    # process died is found within a period and replaced by a new one.
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise InvalidParameterError("num_replicas", "num_replicas must be >= 1")
+        if self.health_check_period_s <= 0 or self.health_check_timeout_s <= 0:
+            raise InvalidParameterError(
+                "health_check_period_s",
+                "health_check_period_s and health_check_timeout_s must be > 0",
+            )
         if self.routing not in ROUTINGS:
             raise InvalidParameterError(
                 "routing", f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}"
@@ -100,6 +109,8 @@ def build_app(
         num_replicas=options.num_replicas,
         max_ongoing_requests=options.max_ongoing_requests,
         ray_actor_options=options.replica_actor_options or {"num_cpus": 1},
+        health_check_period_s=options.health_check_period_s,
+        health_check_timeout_s=options.health_check_timeout_s,
     )
     if options.routing == "prefix":
         r = options.router

@@ -15,6 +15,12 @@ Balance: the replica with the longest match wins unless its load (ongoing reques
 the router counts them) exceeds the least-loaded replica's by more than `max_imbalance`,
 or the match is under `min_match_blocks`: then the least-loaded replica wins. Other
 replicas follow as fallbacks, least loaded first.
+
+Faults: a replica whose stats are missing, stale or malformed counts as holding nothing
+(and its load comes from Ray's queue-length cache, else 0): routing goes on by load. When
+a replica dies (`on_replica_actor_died`) or leaves the replica set (`update_replicas`),
+everything the router knew of it is dropped; its replacement is a new replica whose
+holdings come from its own stats.
 """
 
 from __future__ import annotations
@@ -67,8 +73,10 @@ class PrefixAwareRouter(RequestRouter):
         self.min_match_blocks = min_match_blocks
         self.recent_ttl_s = recent_ttl_s
         self._recent: OrderedDict[bytes, tuple[ReplicaID, float]] = OrderedDict()
-        # Each replica's stats as a set, rebuilt only when Ray hands over new stats.
-        self._held: dict[ReplicaID, tuple[int, frozenset[bytes]]] = {}
+        # Each replica's stats as a set, rebuilt only when Ray hands over a new stats dict
+        # (the dict is kept so that its identity is not reused by another).
+        self._held: dict[ReplicaID, tuple[object, frozenset[bytes]]] = {}
+        self._live: frozenset[ReplicaID] = frozenset()
         self.num_prefix_routed = 0
         self.num_balanced = 0
 
@@ -102,19 +110,53 @@ class PrefixAwareRouter(RequestRouter):
         self._remember(hashes, best.replica_id, now)
         return [[best], [r for r in by_load if r is not best]]
 
+    # ------------------------------------------------------- replica set changes
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget({replica_id})
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = frozenset(r.replica_id for r in replicas)
+        if live != self._live:  # called on every stats update too: act on changes only
+            self._forget(self._live - live)
+            self._live = live
+
+    def known_replicas(self) -> set[ReplicaID]:
+        """The replicas the router holds state for (stats sets or recent choices)."""
+        return set(self._held) | {replica_id for replica_id, _ in self._recent.values()}
+
+    def _forget(self, gone: set[ReplicaID] | frozenset[ReplicaID]) -> None:
+        if not gone:
+            return
+        for replica_id in gone:
+            self._held.pop(replica_id, None)
+        for h in [h for h, (replica_id, _) in self._recent.items() if replica_id in gone]:
+            del self._recent[h]
+
     # ---------------------------------------------------------------- helpers
     def _load(self, replica: RunningReplica) -> int:
         queued = self.replica_queue_len_cache.get(replica.replica_id)
         if queued is not None:
             return queued
-        stats = replica.routing_stats or {}
-        return int(stats.get("running", 0)) + int(stats.get("waiting", 0))
+        try:
+            stats = replica.routing_stats or {}
+            return int(stats.get("running", 0)) + int(stats.get("waiting", 0))
+        except Exception:  # stats missing or malformed: no load known
+            return 0
 
     def _holds(self, replica: RunningReplica) -> frozenset[bytes]:
-        stats = replica.routing_stats or {}
+        try:
+            stats = replica.routing_stats or {}
+        except Exception:  # stats that cannot be read: nothing known to be held
+            return frozenset()
         known = self._held.get(replica.replica_id)
-        if known is None or known[0] != id(stats):
-            known = (id(stats), frozenset(stats.get("cached", ())))
+        if known is None or known[0] is not stats:
+            try:
+                held = frozenset(h for h in stats.get("cached", ()) if isinstance(h, bytes))
+            except Exception:
+                held = frozenset()
+            known = (stats, held)
             self._held[replica.replica_id] = known
         return known[1]
 

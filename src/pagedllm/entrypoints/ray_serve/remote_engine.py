@@ -9,6 +9,12 @@ interface. `engine` stands for the LLMEngine the server reads: the tokenizer (lo
 here, for templating and tokenizing off the replicas), the config, the context limit and
 grammar compilation (checked here; each replica compiles its own copy). `snapshot` adds
 up the replicas' latest snapshots (sent with each finished request) for /metrics.
+
+A replica that dies (its process killed, its node lost): the requests it was running end
+with RequestFailedError (the server's 500, or an error event in a stream); a request sent
+to it before it had queued it is sent again, to the replica the router picks next (Ray
+Serve drops a dead replica from the set and starts a replacement), and after
+`SEND_ATTEMPTS` lost replicas fails with EngineOverloadedError (503, retry later).
 """
 
 from __future__ import annotations
@@ -18,13 +24,20 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.grammars import Grammars
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
-from pagedllm.errors import RequestFailedError
+from pagedllm.errors import EngineOverloadedError, RequestFailedError
 from pagedllm.kv.manager import KVUsage
 from pagedllm.sampling_params import SamplingParams, StructuredOutputs
+
+SEND_ATTEMPTS = 3  # replicas a request may find dead before it is refused
+RESEND_DELAY_S = 0.2  # for Ray Serve to learn of the dead replica
+LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 
 
 class EngineView:
@@ -70,15 +83,25 @@ class RemoteEngine:
         replica's add_requests raised (InvalidParameterError, EngineOverloadedError)."""
         if not requests:
             raise ValueError("add_requests needs at least one request")
-        calls = self.handle.options(stream=True).generate.remote(list(requests), arrival_time)
-        try:
-            await calls.__anext__()  # queued on the replica
-        except asyncio.CancelledError:
-            calls.cancel()
-            raise
-        except Exception as exc:
-            raise _cause(exc) from None
-        return RemoteStream(self, [r[0] for r in requests], calls)
+        for attempt in range(SEND_ATTEMPTS):
+            calls = self.handle.options(stream=True).generate.remote(list(requests), arrival_time)
+            try:
+                await calls.__anext__()  # queued on the replica
+            except asyncio.CancelledError:
+                calls.cancel()
+                raise
+            except Exception as exc:
+                if not replica_lost(exc):
+                    raise _cause(exc) from None
+                # Nothing ran on the dead replica: sending the request again is safe.
+                if attempt + 1 < SEND_ATTEMPTS:
+                    await asyncio.sleep(RESEND_DELAY_S * (attempt + 1))
+                continue
+            return RemoteStream(self, [r[0] for r in requests], calls)
+        raise EngineOverloadedError(
+            f"no engine replica could take the request ({SEND_ATTEMPTS} were unreachable); "
+            "retry later"
+        )
 
     def _note(self, replica_key: str, snapshot: EngineSnapshot) -> None:
         self._snapshots[replica_key] = snapshot
@@ -120,6 +143,10 @@ class RemoteStream:
             cause = _cause(exc)
             if isinstance(cause, RequestFailedError):
                 raise cause from None
+            if replica_lost(exc):
+                raise RequestFailedError(
+                    "the engine replica running this request stopped (its process died)"
+                ) from None
             raise RequestFailedError(f"the engine replica failed: {cause}") from None
         if snapshot is not None:
             self._engine._note(replica, snapshot)
@@ -138,6 +165,12 @@ class RemoteStream:
 
     async def __aexit__(self, *exc: object) -> None:
         self.abort()
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Whether `exc` says the replica (not the request) failed: its actor died or is
+    unreachable, or the deployment has no replica at the moment."""
+    return isinstance(exc, LOST) or isinstance(getattr(exc, "cause", None), LOST)
 
 
 def _cause(exc: Exception) -> Exception:

@@ -1,0 +1,158 @@
+"""PrefixAwareRouter on its own (no Ray cluster): the longest cached prefix wins; stats
+that are missing, failing or malformed leave routing to load, without an exception; a
+replica that dies or leaves the set takes the router's state for it along. The replicas
+are stand-ins with the attributes Ray Serve's RunningReplica gives a router."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve.request_router import PendingRequest
+
+from pagedllm.entrypoints.ray_serve.prefix_router import (
+    PrefixAwareRouter,
+    prompt_block_hashes,
+)
+from pagedllm.sampling_params import SamplingParams
+
+DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="test")
+BLOCK = 4
+PROMPT = list(range(100, 121))  # 21 tokens: 5 full blocks the engine could reuse
+
+
+class StandInReplica:
+    """What the router reads of a replica: its id, its routing stats and its capacity."""
+
+    def __init__(self, name: str, stats: Any = None, fail: bool = False) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+        self.stats = {} if stats is None else stats
+        self.fail = fail
+        self.max_ongoing_requests = 256
+
+    @property
+    def routing_stats(self) -> Any:
+        if self.fail:
+            raise RuntimeError("the stats could not be fetched")
+        return self.stats
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def new_router(**kwargs: Any) -> PrefixAwareRouter:
+    router = PrefixAwareRouter(
+        DEPLOYMENT, DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True
+    )
+    router.initialize_state(block_size=BLOCK, **kwargs)
+    return router
+
+
+def pending(tokens: list[int]) -> PendingRequest:
+    """A `generate(requests, arrival_time)` call as the ingress makes it (made in a loop:
+    it holds a future)."""
+    metadata = RequestMetadata(request_id="r0", internal_request_id="r0", call_method="generate")
+    return PendingRequest(
+        args=[[("r0", tokens, SamplingParams())], None], kwargs={}, metadata=metadata
+    )
+
+
+def choose(router: PrefixAwareRouter, replicas: list[StandInReplica], tokens: Any) -> list:
+    async def route() -> list:
+        return await router.choose_replicas(replicas, pending(tokens))  # type: ignore[arg-type]
+
+    ranks = asyncio.run(route())
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_the_longest_cached_prefix_wins_within_the_imbalance() -> None:
+    hashes = prompt_block_hashes(PROMPT, BLOCK)
+    assert len(hashes) == 5
+    a = StandInReplica("a", {"cached": hashes[:2]})
+    b = StandInReplica("b", {"cached": hashes[:4]})
+    c = StandInReplica("c", {"cached": []})
+    router = new_router(max_imbalance=2)
+    assert choose(router, [a, b, c], PROMPT) == [["b"], ["a", "c"]]
+    router.on_new_queue_len_info(b.replica_id, 3)  # 3 more than the least loaded: too busy
+    assert choose(router, [a, b, c], PROMPT) == [["a"], ["c", "b"]]
+    assert (router.num_prefix_routed, router.num_balanced) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "stats",
+    [
+        {},  # no report yet
+        {"cached": None, "running": "many"},  # malformed
+        {"cached": 5},  # not a collection
+        {"cached": ["not bytes", 7]},
+    ],
+)
+def test_missing_or_malformed_stats_route_by_load(stats: dict[str, Any]) -> None:
+    replicas = [StandInReplica(name, dict(stats)) for name in "abc"]
+    router = new_router()
+    for replica, load in zip(replicas, (5, 1, 3), strict=True):
+        router.on_new_queue_len_info(replica.replica_id, load)
+    assert choose(router, replicas, PROMPT) == [["b"], ["c", "a"]]
+
+
+def test_stats_that_fail_to_load_route_by_load() -> None:
+    hashes = prompt_block_hashes(PROMPT, BLOCK)
+    broken = StandInReplica("a", {"cached": hashes}, fail=True)  # would match, if readable
+    idle = StandInReplica("b")
+    router = new_router()
+    router.on_new_queue_len_info(broken.replica_id, 2)
+    router.on_new_queue_len_info(idle.replica_id, 0)
+    assert choose(router, [broken, idle], PROMPT) == [["b"], ["a"]]
+    # Without the queue-length cache either, every load counts as 0: still a choice.
+    assert choose(new_router(), [broken, idle], PROMPT)[0] in (["a"], ["b"])
+    # A request without a prompt (e.g. `info()`): least loaded first.
+    ranks = asyncio.run(router.choose_replicas([broken, idle], None))  # type: ignore[arg-type]
+    assert [r.replica_id.unique_id for r in ranks[0]] == ["b", "a"]
+
+
+def test_a_dead_replica_takes_its_state_along() -> None:
+    hashes = prompt_block_hashes(PROMPT, BLOCK)
+    a, b = StandInReplica("a", {"cached": hashes}), StandInReplica("b")
+    router = new_router()
+
+    async def scenario() -> list[list[str]]:
+        router.update_replicas([a, b])  # type: ignore[list-item]
+        first = await router.choose_replicas([a, b], pending(PROMPT))  # type: ignore[list-item]
+        assert first[0][0] is a  # and the router remembers the prompt went to `a`
+        assert router.known_replicas() == {a.replica_id, b.replica_id}
+        router.on_replica_actor_died(a.replica_id)
+        assert router.known_replicas() == {b.replica_id}
+        assert set(router.curr_replicas) == {b.replica_id}
+        # Ray Serve brings up a replacement: a new replica id, known from its own stats.
+        new = StandInReplica("a2", {"cached": hashes[:3]})
+        router.update_replicas([b, new])  # type: ignore[list-item]
+        ranks = await router.choose_replicas([b, new], pending(PROMPT))  # type: ignore[list-item]
+        return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+    assert asyncio.run(scenario()) == [["a2"], ["b"]]
+    assert router.known_replicas() == {b.replica_id, ReplicaID("a2", DEPLOYMENT)}
+
+
+def test_a_replica_leaving_the_set_is_forgotten() -> None:
+    hashes = prompt_block_hashes(PROMPT, BLOCK)
+    a, b = StandInReplica("a", {"cached": hashes}), StandInReplica("b")
+    router = new_router()
+
+    async def scenario() -> None:
+        router.update_replicas([a, b])  # type: ignore[list-item]
+        await router.choose_replicas([a, b], pending(PROMPT))  # type: ignore[list-item]
+        router.update_replicas([b])  # type: ignore[list-item]  # scaled down, or replaced
+
+    asyncio.run(scenario())
+    assert router.known_replicas() == {b.replica_id}  # its (empty) stats set stays
+    assert len(router._recent) == 0  # the prompt's blocks had gone to `a`
