@@ -302,12 +302,13 @@ def test_rejection_sampling_of_drafted_proposals_has_the_target_distribution() -
 def test_a_row_without_proposals_draws_what_the_sampler_draws() -> None:
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(4)) * 2
     params = [
-        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, logit_bias={5: 2.0}),
         SamplingParams(temperature=1.2, top_p=0.9, top_k=40),
         SamplingParams(temperature=0),
         SamplingParams(temperature=1.0, min_p=0.05, logprobs=3),
     ]
     rows = [SampleRow(i, i, sp, num_logprobs=sp.logprobs or 0) for i, sp in enumerate(params)]
+    given = logits.clone()
     for seeded in (False, True):
         gens = [torch.Generator().manual_seed(40 + i) if seeded else None for i in range(4)]
         spec_gens = [torch.Generator().manual_seed(40 + i) if seeded else None for i in range(4)]
@@ -318,6 +319,7 @@ def test_a_row_without_proposals_draws_what_the_sampler_draws() -> None:
         assert got.token_ids == [[t] for t in want.token_ids]
         assert got.logprobs == [[lp] for lp in want.logprobs]
         assert got.top_ids == [[ids] for ids in want.top_ids]
+    assert torch.equal(logits, given)  # rows in order: no copy made, nor any write
 
 
 def test_a_seeded_row_is_reproducible_whatever_else_is_in_the_batch() -> None:

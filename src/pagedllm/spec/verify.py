@@ -148,9 +148,14 @@ class SpecVerifier:
         draft_pos = [starts[i] + j for i, k in enumerate(ks) for j in range(k)]
         flat_draft = [t for d in drafts for t in d]
 
-        x = logits.index_select(0, torch.tensor([pr.logits_row for pr in pos_rows], device=device))
-        x = x.float()  # a new tensor: the filters below never write into the caller's
+        order = [pr.logits_row for pr in pos_rows]
+        x = logits
+        if order != list(range(logits.shape[0])):
+            x = logits.index_select(0, torch.tensor(order, device=device))
+        x = x.float()
         plain = all(Sampler._plain_greedy(pr) for pr in pos_rows)
+        if not plain and x is logits:  # the filters below write into it: never the caller's
+            x = x.clone()
         raw_logprobs = None if plain else x.log_softmax(dim=-1)
         if not plain:
             x = process_logits(x, pos_rows)
