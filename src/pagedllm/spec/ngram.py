@@ -13,7 +13,7 @@ Cost: one reversed copy of the ids, then candidate positions found with `list.in
 (a C scan) on the last token, each checked over at most prompt_lookup_max tokens:
 O(len * prompt_lookup_max) in the worst case, O(len) in practice. At 8,192 tokens with
 prompt_lookup 1..5 and k 5, on a shared 2-core Zen 3 machine: ids drawn at random from a
-49,152-token vocabulary (the scan finds almost no candidate) 0.19-0.27 ms per call; a
+49,152-token vocabulary (the scan finds almost no candidate) 0.17-0.27 ms per call; a
 worst case where every other token equals the last one but no candidate extends past it
 2.1-3.0 ms (either preference). So 64 sequences of 8k random ids cost ~15 ms of Python per
 step; an index kept per sequence would make it O(1) per new token. Command: the n-gram
