@@ -22,6 +22,9 @@ TORCH_FREE = [
     "worker/options.py",
     "kernels/policy.py",
     "errors.py",
+    "spec/__init__.py",
+    "spec/ngram.py",
+    "spec/config.py",
 ]
 EVERYTHING = "*"
 # What each part of the package may import from the others (module prefixes): lower
@@ -48,7 +51,18 @@ ALLOWED: dict[str, set[str] | str] = {
     },
     # structured output's grammars (xgrammar): the engine imports them lazily
     "structured": {"errors", "sampling_params"},
-    "engine": {"core", "kv", "worker", "loader", "errors", "sampling_params", "structured"},
+    # speculative decoding: proposers, their config, and the verifier (the sampler's steps)
+    "spec": {"errors", "sampling_params", "worker.runner", "worker.sampler"},
+    "engine": {
+        "core",
+        "kv",
+        "worker",
+        "loader",
+        "errors",
+        "sampling_params",
+        "structured",
+        "spec",
+    },
     "entrypoints": EVERYTHING,
     "bench": EVERYTHING,
     "__init__": EVERYTHING,

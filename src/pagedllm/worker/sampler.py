@@ -6,7 +6,9 @@ and min-p; then samples with the exponential-race trick
 (argmax of probs / Exp(1) noise), whose noise comes from the sample's own generator when
 the request has a seed, so a seeded request draws the same tokens whatever else is in
 the batch. Greedy rows take the argmax. Log-probabilities are those of the model's raw
-distribution, as vLLM reports them.
+distribution, as vLLM reports them. The steps are also functions of their own
+(process_logits, sampling_probs, exponential_noise), which the speculative verifier
+(spec/verify.py) applies to each proposed position.
 """
 
 from __future__ import annotations
@@ -57,6 +59,80 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """The rows' logits after min_tokens suppression, logit bias, penalties and grammar
+    masks (row i of `logits` follows rows[i]); writes into `logits` (float32, the
+    caller's own copy) and returns it, or a new tensor where penalties apply."""
+    rows = list(rows)
+    device = logits.device
+    suppressed = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_ids]
+    if suppressed:
+        ri, ti = zip(*suppressed, strict=True)
+        logits[list(ri), list(ti)] = float("-inf")
+    biased = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
+    if biased:
+        bi, bt, bv = zip(*biased, strict=True)
+        logits[list(bi), list(bt)] += torch.tensor(bv, dtype=logits.dtype, device=device)
+    if any(r.params.has_penalties for r in rows):
+        logits = apply_penalties(logits, rows)
+    grammars = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+    if grammars:
+        # Imported here: xgrammar loads only once a request asks for structured output.
+        from pagedllm.structured.bitmask import apply_grammar_masks
+
+        apply_grammar_masks(logits, grammars)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """The distribution each row draws from: temperature (1 for greedy rows), then
+    top-k, top-p and min-p. Rows that min-p cut are not renormalised (the exponential
+    race does not need it): divide by the row sums for a distribution."""
+    device = logits.device
+    vocab = logits.shape[1]
+    temps = torch.tensor(
+        [1.0 if r.params.greedy else r.params.temperature for r in rows],
+        device=device,
+    )
+    logits = logits / temps[:, None]
+    top_k = torch.tensor(
+        [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows],
+        device=device,
+    )
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    # Decided from Python values: no device sync in the hot path.
+    if any(0 < r.params.top_k < vocab or r.params.top_p < 1 for r in rows):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def exponential_noise(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    shared: torch.Generator | None,
+) -> torch.Tensor:
+    """Exp(1) noise shaped like `probs` for the race argmax(probs / noise), which draws
+    from probs: row i's from generators[i] when it has one (its draws then do not depend
+    on the batch), the others' from `shared` in one call."""
+    device = probs.device
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        idx = torch.tensor(unseeded, device=device)
+        noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=device).exponential_(
+            generator=shared
+        )
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
 
 
 class Sampler:
@@ -118,24 +194,7 @@ class Sampler:
         if logits is given:  # the filters below write into it: never into the caller's
             logits = logits.clone()
         raw_logprobs = logits.log_softmax(dim=-1)
-        suppressed = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_ids]
-        if suppressed:
-            ri, ti = zip(*suppressed, strict=True)
-            logits[list(ri), list(ti)] = float("-inf")
-        biased = [
-            (i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
-        ]
-        if biased:
-            bi, bt, bv = zip(*biased, strict=True)
-            logits[list(bi), list(bt)] += torch.tensor(bv, dtype=logits.dtype, device=device)
-        if any(r.params.has_penalties for r in rows):
-            logits = apply_penalties(logits, rows)
-        grammars = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
-        if grammars:
-            # Imported here: xgrammar loads only once a request asks for structured output.
-            from pagedllm.structured.bitmask import apply_grammar_masks
-
-            apply_grammar_masks(logits, grammars)
+        logits = process_logits(logits, rows)
 
         tokens = logits.argmax(dim=-1)
         greedy = [r.params.greedy for r in rows]
@@ -187,34 +246,5 @@ class Sampler:
         rows: list[SampleRow],
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:
-        device = logits.device
-        vocab = logits.shape[1]
-        temps = torch.tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in rows],
-            device=device,
-        )
-        logits = logits / temps[:, None]
-        top_k = torch.tensor(
-            [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows],
-            device=device,
-        )
-        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
-        # Decided from Python values: no device sync in the hot path.
-        if any(0 < r.params.top_k < vocab or r.params.top_p < 1 for r in rows):
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        if any(r.params.min_p > 0 for r in rows):
-            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-            floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            idx = torch.tensor(unseeded, device=device)
-            noise[idx] = torch.empty((len(unseeded), vocab), device=device).exponential_(
-                generator=self.generator
-            )
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        probs = sampling_probs(logits, rows)
+        return (probs / exponential_noise(probs, generators, self.generator)).argmax(dim=-1)

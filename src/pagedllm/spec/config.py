@@ -1,0 +1,136 @@
+"""SpeculativeConfig: how a sequence's next tokens are guessed before the target model
+checks them, as one frozen, validated dataclass.
+
+`method` "ngram" guesses by prompt lookup (spec/ngram.py); "draft" asks a smaller model
+(`speculative_model`). A bad value raises InvalidParameterError naming the engine option
+the user set (`speculative_method`, `num_speculative_tokens`, ...), so that the CLI and
+the server report the flag as it was given. `speculative_config_from` builds it from the
+engine's options, None when speculation is off. Plain Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pagedllm.errors import InvalidParameterError
+
+SpeculativeMethod = Literal["ngram", "draft"]
+METHODS: tuple[str, ...] = ("ngram", "draft")
+# vLLM's rejection sampler takes at most this many proposed tokens per sequence.
+MAX_SPECULATIVE_TOKENS = 128
+# vLLM's prompt-lookup defaults, when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+# The engine option (and CLI flag, with dashes) behind each field.
+OPTION_OF_FIELD = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "speculative_model": "speculative_model",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: object, low: int, high: int | None = None) -> None:
+    if not _is_int(value) or value < low or (high is not None and value > high):  # type: ignore[operator]
+        option = OPTION_OF_FIELD[field]
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise InvalidParameterError(option, f"{option} must be an integer {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: SpeculativeMethod
+    num_speculative_tokens: int  # k: tokens proposed per sequence and step
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # ngram: shortest suffix matched
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # ngram: longest suffix matched
+    speculative_model: str | None = None  # draft: the proposing model's path
+    # Speculate only while fewer sequences than this are running (large batches are
+    # compute-bound: checking guesses then costs more than it saves); None: always.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidParameterError(
+                "speculative_method",
+                f"speculative_method must be one of {', '.join(METHODS)}, got {self.method!r}",
+            )
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidParameterError(
+                "prompt_lookup_min",
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})",
+            )
+        model = self.speculative_model
+        if self.method == "draft" and (not isinstance(model, str) or not model.strip()):
+            raise InvalidParameterError(
+                "speculative_model",
+                f"speculative_method 'draft' needs speculative_model (a model path), got {model!r}",
+            )
+        if self.method == "ngram" and model is not None:
+            raise InvalidParameterError(
+                "speculative_model",
+                "speculative_model is only read with speculative_method 'draft'; "
+                f"'ngram' proposes without a model, got {model!r}",
+            )
+        if self.disable_by_batch_size is not None:
+            # 1 would never speculate: a running batch always has a sequence.
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
+
+    def speculates_at(self, num_running: int) -> bool:
+        """Whether a step with `num_running` running sequences proposes tokens."""
+        limit = self.disable_by_batch_size
+        return limit is None or num_running < limit
+
+
+def speculative_config_from(
+    speculative_method: str | None = None,
+    num_speculative_tokens: int | None = None,
+    speculative_model: str | None = None,
+    prompt_lookup_min: int | None = None,
+    prompt_lookup_max: int | None = None,
+    speculative_disable_by_batch_size: int | None = None,
+) -> SpeculativeConfig | None:
+    """The SpeculativeConfig the engine's options describe, None when they ask for no
+    speculation. As in vLLM: a speculative_model alone means method "draft"; with one
+    prompt-lookup bound given the other takes its value, with neither both are 5."""
+    method = speculative_method
+    if method is None and speculative_model is not None:
+        method = "draft"
+    if method is None:
+        for option, value in (
+            ("num_speculative_tokens", num_speculative_tokens),
+            ("prompt_lookup_min", prompt_lookup_min),
+            ("prompt_lookup_max", prompt_lookup_max),
+            ("speculative_disable_by_batch_size", speculative_disable_by_batch_size),
+        ):
+            if value is not None:
+                raise InvalidParameterError(
+                    option, f"{option} is set but speculative_method is not (ngram or draft)"
+                )
+        return None
+    if num_speculative_tokens is None:
+        raise InvalidParameterError(
+            "num_speculative_tokens",
+            f"speculative_method {method!r} needs num_speculative_tokens (tokens proposed "
+            "per step, e.g. 4)",
+        )
+    low = prompt_lookup_min if prompt_lookup_min is not None else prompt_lookup_max
+    high = prompt_lookup_max if prompt_lookup_max is not None else prompt_lookup_min
+    return SpeculativeConfig(
+        method=method,  # type: ignore[arg-type] - checked in __post_init__
+        num_speculative_tokens=num_speculative_tokens,
+        prompt_lookup_min=DEFAULT_PROMPT_LOOKUP if low is None else low,
+        prompt_lookup_max=DEFAULT_PROMPT_LOOKUP if high is None else high,
+        speculative_model=speculative_model,
+        disable_by_batch_size=speculative_disable_by_batch_size,
+    )
