@@ -17,12 +17,14 @@ from pagedllm.kv.manager import KVCacheManager, KVUsage
 
 @dataclass(frozen=True)
 class TableFigures:
-    """One live sequence's block table: slots it holds (`capacity`) and fills."""
+    """One live sequence's block tables: slots they span (`capacity`) and fill, and the
+    pool blocks each layer group's table holds (one group in a model of one kind)."""
 
     request_id: str
     seq_id: int
     capacity: int
     num_tokens: int
+    group_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class EngineSnapshot:
     num_admissible: int
     # The running sequences' tables, only when asked for (`snapshot(tables=True)`).
     tables: tuple[TableFigures, ...] = ()
+    # The KV layer groups' windows (None: full attention); one entry per group.
+    group_windows: tuple[int | None, ...] = (None,)
+    # Table entries given back behind a window since the engine started.
+    num_dropped_blocks: int = 0
 
     @property
     def backlog(self) -> int:
@@ -75,7 +81,9 @@ def take_snapshot(
     figures: tuple[TableFigures, ...] = ()
     if tables:
         figures = tuple(
-            TableFigures(req.request_id, seq.seq_id, table.capacity, table.num_tokens)
+            TableFigures(
+                req.request_id, seq.seq_id, table.capacity, table.num_tokens, table.group_blocks()
+            )
             for req in scheduler.running
             for seq in req.seqs
             if (table := kv.tables.get(seq.seq_id)) is not None
@@ -91,4 +99,6 @@ def take_snapshot(
         prefix_hit_tokens=scheduler.prefix_hit_tokens,
         num_admissible=scheduler.num_admissible(),
         tables=figures,
+        group_windows=kv.windows,
+        num_dropped_blocks=kv.num_dropped_blocks,
     )

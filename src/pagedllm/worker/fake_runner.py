@@ -12,6 +12,7 @@ import random
 from collections.abc import Sequence
 
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.kv.groups import KVGroupSpec
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 
 
@@ -37,7 +38,9 @@ class FakeModelRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.kv_bytes_per_token
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def init_kv_cache(
+        self, num_blocks: int, block_size: int, groups: tuple[KVGroupSpec, ...] | None = None
+    ) -> None:
         pass  # no K/V to hold
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:

@@ -1,14 +1,22 @@
 """PagedKVCache: the physical K/V tensors of every layer, in one preallocated pool.
 
-Layout: [layers, 2 (K and V), num_blocks, block_size, kv_heads, head_dim]. A block of
-one layer is contiguous, so gathering a sequence's context is one indexed read per layer,
-and copy-on-write copies whole blocks of every layer in one batched operation.
+Layout: [group_size, 2 (K and V), num_blocks, block_size, kv_heads, head_dim]. The layers
+form groups (kv/groups.py) of `group_size` layers each; layer `groups[g].layers[j]` keeps
+its K/V in slot j of the blocks group g's tables name, and a block id belongs to one group
+at a time. A model of one kind is one group of every layer: [layers, 2, ...]. With a
+window group the pool has one more block past the others: the null block, which tables
+name behind their window and which nothing writes. A block of one layer is contiguous, so
+gathering a sequence's context is one indexed read per layer, and copy-on-write copies
+whole blocks of every slot in one batched operation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from pagedllm.kv.groups import KVGroupSpec, group_layers, group_size, has_window, layer_slots
 from pagedllm.model.config import ModelConfig
 
 
@@ -20,26 +28,37 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        groups: Sequence[KVGroupSpec] | None = None,
     ) -> None:
+        """`groups`: the layer groups (None: one group of every layer)."""
+        num_layers = config.num_hidden_layers
+        if groups is None:
+            groups = group_layers(None, num_layers)
+        slots = layer_slots(groups)
+        if sorted(slots) != list(range(num_layers)):
+            raise ValueError(f"the layer groups must cover layers 0..{num_layers - 1} once each")
+        self.groups = tuple(groups)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # zeros() maps pages lazily, so an unused pool costs no resident memory.
+        # zeros() maps pages lazily, so an unused pool costs no resident memory; the null
+        # block stays zeros (finite) for a backend that gathers it before masking.
         self.data = torch.zeros(
-            config.num_hidden_layers,
+            group_size(groups),
             2,
-            num_blocks,
+            num_blocks + (1 if has_window(groups) else 0),
             block_size,
             config.num_key_value_heads,
             config.head_dim,
             dtype=dtype,
             device=device,
         )
+        self.layer_group: tuple[int, ...] = tuple(slots[i][0] for i in range(num_layers))
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (layer[0], layer[1]) for layer in self.data
+            (self.data[slots[i][1], 0], self.data[slots[i][1], 1]) for i in range(num_layers)
         ]
 
     def copy_blocks(self, pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
-        """Copy blocks src -> dst in every layer (copy-on-write), all pairs at once."""
+        """Copy blocks src -> dst in every slot (copy-on-write), all pairs at once."""
         if not pairs:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.data.device)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.kv.groups import KVGroupSpec
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -24,6 +25,9 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
+    num_layers: int = 1
+    # Each layer's attention window in tokens (None: full attention); None: all full.
+    layer_windows: tuple[int | None, ...] | None = None
 
 
 class TokenMask(Protocol):
@@ -69,8 +73,12 @@ class ModelRunner(Protocol):
         """Bytes one KV block of `block_size` tokens takes on this runner."""
         ...
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the KV pool, once, before the first step."""
+    def init_kv_cache(
+        self, num_blocks: int, block_size: int, groups: tuple[KVGroupSpec, ...] | None = None
+    ) -> None:
+        """Allocate the KV pool, once, before the first step: `num_blocks` blocks each
+        holding one layer group's K/V (`groups`; None: one group of every layer), plus
+        the null block when a group has a window."""
         ...
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.errors import InvalidParameterError, TensorParallelError
+from pagedllm.kv.groups import KVGroupSpec
 from pagedllm.loader import LoadedModel
 from pagedllm.model.sharding import check_tensor_parallel, shard_weights
 from pagedllm.worker.model_runner import TorchModelRunner
@@ -82,7 +83,13 @@ class TensorParallelRunner:
         check_tensor_parallel(loaded.config, size)
         backend = backend_for(options.device, size)
         cfg = loaded.config
-        self.spec = ModelSpec(cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_ids)
+        self.spec = ModelSpec(
+            cfg.vocab_size,
+            cfg.max_position_embeddings,
+            cfg.eos_token_ids,
+            num_layers=cfg.num_hidden_layers,
+            layer_windows=cfg.layer_windows,
+        )
         self._threads = torch.get_num_threads()
         self._failure: str | None = None
         self.group: TPGroup
@@ -162,8 +169,10 @@ class TensorParallelRunner:
         """Bytes of one block on each rank (its KV heads' share)."""
         return self.local.kv_bytes_per_block(block_size)
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self._call("init_kv_cache", num_blocks, block_size)
+    def init_kv_cache(
+        self, num_blocks: int, block_size: int, groups: tuple[KVGroupSpec, ...] | None = None
+    ) -> None:
+        self._call("init_kv_cache", num_blocks, block_size, groups)
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
         # The workers draw no rows: the driver alone samples, from the gathered logits.
