@@ -262,3 +262,35 @@ def test_nothing_is_held_behind_the_window(models) -> None:
                     most = max(most, len(table.real_blocks()))
     assert most == -(-W // 4) + 1  # the window's blocks and the one being written
     assert kv.num_free_blocks == kv.num_blocks
+
+
+# ------------------------------------------------------------- read side
+def test_flag_snapshot_and_documented_figures() -> None:
+    import argparse
+
+    from pagedllm.bench.layer_groups import arithmetic
+    from pagedllm.entrypoints.engine_args import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert not engine_config(parser.parse_args([])).disable_hybrid_kv_cache_manager
+    args = parser.parse_args(["--disable-hybrid-kv-cache-manager"])
+    assert engine_config(args).disable_hybrid_kv_cache_manager
+
+    spec = ModelSpec(100, 4096, num_layers=3, layer_windows=(W, W, None))
+    config = EngineConfig(block_size=4, num_kv_blocks=40, max_num_batched_tokens=4)
+    engine = LLMEngine(config, runner=FakeModelRunner(spec, token=1))
+    engine.add_request("r", [1] * 30, SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(9):
+        engine.step()
+    snap = engine.snapshot(tables=True)
+    assert snap.group_windows == (None, W, W)
+    ((table),) = snap.tables
+    # The step computed token 30: 8 blocks in the full group; a window group keeps the
+    # blocks of its keys, from 30 - 8 + 1 = 23 (block 5) to 30 (block 7).
+    assert (table.num_tokens, table.group_blocks) == (31, (8, 3, 3))
+    assert snap.num_dropped_blocks == 10
+
+    # docs/kv_cache.md's figures, from the groups.
+    bf16 = arithmetic(8192, 16, 2)
+    assert (bf16["hybrid_bytes"], bf16["full_bytes"]) == (33_275_904, 150_994_944)
