@@ -107,7 +107,12 @@ class LLMEngine:
             ),
             self.kv,
         )
-        runner.init_kv_cache(num_blocks, config.block_size, groups)
+        runner.init_kv_cache(
+            num_blocks,
+            config.block_size,
+            tuple(g.layers for g in groups),
+            self.kv.null_block is not None,
+        )
         self.eos_token_ids = set(spec.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))

@@ -12,7 +12,6 @@ import random
 from collections.abc import Sequence
 
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.kv.groups import KVGroupSpec
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 
 
@@ -39,7 +38,11 @@ class FakeModelRunner:
         return block_size * self.kv_bytes_per_token
 
     def init_kv_cache(
-        self, num_blocks: int, block_size: int, groups: tuple[KVGroupSpec, ...] | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        layer_groups: tuple[tuple[int, ...], ...] | None = None,
+        null_block: bool = False,
     ) -> None:
         pass  # no K/V to hold
 

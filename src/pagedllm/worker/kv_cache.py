@@ -1,7 +1,8 @@
 """PagedKVCache: the physical K/V tensors of every layer, in one preallocated pool.
 
 Layout: [group_size, 2 (K and V), num_blocks, block_size, kv_heads, head_dim]. The layers
-form groups (kv/groups.py) of `group_size` layers each; layer `groups[g].layers[j]` keeps
+form groups (the block manager's, kv/groups.py, handed over as plain layer lists) of
+`group_size` layers each; layer `groups[g].layers[j]` keeps
 its K/V in slot j of the blocks group g's tables name, and a block id belongs to one group
 at a time. A model of one kind is one group of every layer: [layers, 2, ...]. With a
 window group the pool has one more block past the others: the null block, which tables
@@ -16,7 +17,6 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.kv.groups import KVGroupSpec, group_layers, group_size, has_window, layer_slots
 from pagedllm.model.config import ModelConfig
 
 
@@ -28,24 +28,27 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        groups: Sequence[KVGroupSpec] | None = None,
+        layer_groups: Sequence[Sequence[int]] | None = None,
+        null_block: bool = False,
     ) -> None:
-        """`groups`: the layer groups (None: one group of every layer)."""
+        """`layer_groups[g]`: the layers of group g (None: one group of every layer);
+        `null_block`: one block more, past `num_blocks`, for the null block."""
         num_layers = config.num_hidden_layers
-        if groups is None:
-            groups = group_layers(None, num_layers)
-        slots = layer_slots(groups)
-        if sorted(slots) != list(range(num_layers)):
+        groups = [tuple(g) for g in layer_groups or [range(num_layers)]]
+        slots = {layer: (g, j) for g, layers in enumerate(groups) for j, layer in enumerate(layers)}
+        if sorted(slots) != list(range(num_layers)) or sum(map(len, groups)) != num_layers:
             raise ValueError(f"the layer groups must cover layers 0..{num_layers - 1} once each")
-        self.groups = tuple(groups)
+        sizes = {len(g) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"every layer group must have the same number of layers, got {sizes}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         # zeros() maps pages lazily, so an unused pool costs no resident memory; the null
         # block stays zeros (finite) for a backend that gathers it before masking.
         self.data = torch.zeros(
-            group_size(groups),
+            sizes.pop(),
             2,
-            num_blocks + (1 if has_window(groups) else 0),
+            num_blocks + (1 if null_block else 0),
             block_size,
             config.num_key_value_heads,
             config.head_dim,

@@ -25,7 +25,6 @@ from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.errors import KernelUnavailableError
 from pagedllm.kernels.cpu import load_cpu_ops
 from pagedllm.kernels.int8_choice import isa_name
-from pagedllm.kv.groups import KVGroupSpec
 from pagedllm.loader import LoadedModel
 from pagedllm.model.layer_ops import CompiledLayerOps, TorchLayerOps
 from pagedllm.model.linear import Int8Linear, choose_int8_gemm, observe_inputs
@@ -122,7 +121,11 @@ class TorchModelRunner:
         return block_size * self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
 
     def init_kv_cache(
-        self, num_blocks: int, block_size: int, groups: tuple[KVGroupSpec, ...] | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        layer_groups: tuple[tuple[int, ...], ...] | None = None,
+        null_block: bool = False,
     ) -> None:
         self.kv_cache = PagedKVCache(
             self.model_config,
@@ -130,7 +133,8 @@ class TorchModelRunner:
             block_size,
             dtype=self.kv_dtype,
             device=self.device,
-            groups=groups,
+            layer_groups=layer_groups,
+            null_block=null_block,
         )
 
     @torch.inference_mode()

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.kv.groups import KVGroupSpec
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -74,11 +73,16 @@ class ModelRunner(Protocol):
         ...
 
     def init_kv_cache(
-        self, num_blocks: int, block_size: int, groups: tuple[KVGroupSpec, ...] | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        layer_groups: tuple[tuple[int, ...], ...] | None = None,
+        null_block: bool = False,
     ) -> None:
         """Allocate the KV pool, once, before the first step: `num_blocks` blocks each
-        holding one layer group's K/V (`groups`; None: one group of every layer), plus
-        the null block when a group has a window."""
+        holding the K/V of one layer group (`layer_groups[g]`: the layers of group g, all
+        of one size; None: one group of every layer), plus one more, the null block that
+        tables name behind a window, with `null_block`."""
         ...
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:

@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.errors import InvalidParameterError, TensorParallelError
-from pagedllm.kv.groups import KVGroupSpec
 from pagedllm.loader import LoadedModel
 from pagedllm.model.sharding import check_tensor_parallel, shard_weights
 from pagedllm.worker.model_runner import TorchModelRunner
@@ -170,9 +169,13 @@ class TensorParallelRunner:
         return self.local.kv_bytes_per_block(block_size)
 
     def init_kv_cache(
-        self, num_blocks: int, block_size: int, groups: tuple[KVGroupSpec, ...] | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        layer_groups: tuple[tuple[int, ...], ...] | None = None,
+        null_block: bool = False,
     ) -> None:
-        self._call("init_kv_cache", num_blocks, block_size, groups)
+        self._call("init_kv_cache", num_blocks, block_size, layer_groups, null_block)
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
         # The workers draw no rows: the driver alone samples, from the gathered logits.
