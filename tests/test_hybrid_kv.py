@@ -287,3 +287,13 @@ def test_flag_snapshot_and_documented_figures() -> None:
     # docs/kv_cache.md's figures, from the groups.
     bf16 = arithmetic(8192, 16, 2)
     assert (bf16["hybrid_bytes"], bf16["full_bytes"]) == (33_275_904, 150_994_944)
+
+
+def test_bench_budgets_are_the_same_bytes(gemma_dir) -> None:
+    from pagedllm.bench.options import blocks_per_full_block, kv_budget_tokens
+    from pagedllm.loader import load_model
+
+    loaded = load_model(str(gemma_dir))  # 6 layers in groups of 2
+    assert blocks_per_full_block(loaded, {}) == 3
+    assert blocks_per_full_block(loaded, {"disable_hybrid_kv_cache_manager": True}) == 1
+    assert kv_budget_tokens(loaded, {"num_kv_blocks": 768, "block_size": 16}) == 4096

@@ -11,6 +11,7 @@ total, every table covers its tokens; at the end the pool is whole.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import subprocess
 import sys
@@ -67,8 +68,6 @@ def check_invariants(sched: Scheduler) -> None:
         assert seq.capacity >= seq.num_tokens
         for g, table in enumerate(seq.groups):
             assert table.num_tokens == seq.num_tokens
-            # Paged growth: never more than one partly filled block.
-            assert len(table.blocks) == -(-table.num_tokens // bs)
             # Null entries (given back behind a window) come first, pool blocks after.
             window = kv.windows[g]
             assert table.blocks[: table.num_dropped] == [kv.null_block] * table.num_dropped
@@ -76,7 +75,8 @@ def check_invariants(sched: Scheduler) -> None:
             if window is None:
                 assert table.num_dropped == 0
             else:  # nothing held behind the window of the last chunk computed
-                real = table.real_blocks()
+                written = -(-table.num_tokens // bs)  # blocks reserved ahead left out
+                real = table.blocks[table.num_dropped : written]
                 assert len(real) <= -(-(window - 1 + chunk) // bs) + 1
     live = {s.seq_id for r in sched.running for s in r.seqs}
     assert set(kv.tables) == live
@@ -84,6 +84,10 @@ def check_invariants(sched: Scheduler) -> None:
         for seq in req.seqs:
             tables = kv.tables[seq.seq_id]
             assert tables.num_tokens >= req.num_computed_tokens
+            # Paged growth: never more than one partly filled block (or the reservation).
+            for table in tables.groups:
+                expected = max(-(-table.num_tokens // bs), -(-req.reserve_tokens // bs))
+                assert len(table.blocks) == expected
             # A block that carries a prefix-cache hash holds exactly this sequence's tokens,
             # cached in the group whose table holds it.
             for g, table in enumerate(tables.groups):
@@ -151,6 +155,9 @@ def simulate(seed: int, steps: int = 150, caching: bool = True, hybrid: bool = F
         enable_prefix_caching=caching,
     )
     num_layers, windows = random_layers(rng, hybrid)
+    if hybrid:  # reservations too: every group reserves, window groups then give back
+        policy = rng.choice(["paged", "paged", "reserve-max", "reserve-pow2"])
+        config = dataclasses.replace(config, kv_reservation=policy)
     runner = CountingRunner(rng.randrange(2**32), num_layers, windows)
     engine = LLMEngine(config, runner=runner)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(3)]
