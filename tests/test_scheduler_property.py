@@ -11,6 +11,7 @@ total, every table covers its tokens; at the end the pool is whole.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import subprocess
 import sys
@@ -38,8 +39,11 @@ EOS = 0
 class CountingRunner(FakeModelRunner):
     """Random tokens; counts the copy-on-write copies the engine asked for."""
 
-    def __init__(self, seed: int) -> None:
-        super().__init__(ModelSpec(VOCAB, 4096, (EOS,)), seed=seed)
+    def __init__(
+        self, seed: int, num_layers: int = 1, windows: tuple[int | None, ...] | None = None
+    ) -> None:
+        spec = ModelSpec(VOCAB, 4096, (EOS,), num_layers=num_layers, layer_windows=windows)
+        super().__init__(spec, seed=seed)
         self.copies = 0
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
@@ -50,6 +54,8 @@ class CountingRunner(FakeModelRunner):
 def check_invariants(sched: Scheduler) -> None:
     kv = sched.kv
     alloc = kv.allocator
+    bs = kv.block_size
+    # Reference counts equal the table entries pointing at a block, summed over groups.
     refs = Counter(b for t in kv.tables.values() for b in t.blocks)
     free = alloc.free_block_ids()
     assert len(free) == len(set(free))
@@ -57,34 +63,70 @@ def check_invariants(sched: Scheduler) -> None:
         assert alloc.ref_count(block) == refs.get(block, 0)
         assert (block in set(free)) == (refs.get(block, 0) == 0)
     assert alloc.num_used_blocks + alloc.num_free_blocks == alloc.num_blocks
-    for table in kv.tables.values():
-        assert table.capacity >= table.num_tokens
-        # Paged growth: never more than one partly filled block.
-        assert len(table.blocks) == -(-table.num_tokens // kv.block_size)
+    chunk = sched.config.max_num_batched_tokens
+    for seq in kv.tables.values():
+        assert seq.capacity >= seq.num_tokens
+        for g, table in enumerate(seq.groups):
+            assert table.num_tokens == seq.num_tokens
+            # Null entries (given back behind a window) come first, pool blocks after.
+            window = kv.windows[g]
+            assert table.blocks[: table.num_dropped] == [kv.null_block] * table.num_dropped
+            assert kv.null_block not in table.real_blocks()
+            if window is None:
+                assert table.num_dropped == 0
+            else:  # nothing held behind the window of the last chunk computed
+                written = -(-table.num_tokens // bs)  # blocks reserved ahead left out
+                real = table.blocks[table.num_dropped : written]
+                assert len(real) <= -(-(window - 1 + chunk) // bs) + 1
     live = {s.seq_id for r in sched.running for s in r.seqs}
     assert set(kv.tables) == live
     for req in sched.running:
         for seq in req.seqs:
-            table = kv.tables[seq.seq_id]
-            assert table.num_tokens >= req.num_computed_tokens
-            # A block that carries a prefix-cache hash holds exactly this sequence's tokens.
-            for i, block in enumerate(table.blocks):
-                info = alloc.cached_info(block)
-                if info is not None:
-                    bs = kv.block_size
-                    assert info.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            tables = kv.tables[seq.seq_id]
+            assert tables.num_tokens >= req.num_computed_tokens
+            # Paged growth: never more than one partly filled block (or the reservation).
+            for table in tables.groups:
+                expected = max(-(-table.num_tokens // bs), -(-req.reserve_tokens // bs))
+                assert len(table.blocks) == expected
+            # A block that carries a prefix-cache hash holds exactly this sequence's tokens,
+            # cached in the group whose table holds it.
+            for g, table in enumerate(tables.groups):
+                for i, block in enumerate(table.blocks):
+                    info = alloc.cached_info(block) if block != kv.null_block else None
+                    if info is not None:
+                        assert info.group == g
+                        assert info.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
     running_seqs = sum(r.num_seq_slots for r in sched.running)
     assert sched.running_seq_slots == running_seqs
     assert running_seqs <= sched.config.max_num_seqs
     # The pool's figures, kept incrementally, equal a count over every table.
-    bs, filled = kv.block_size, {}
-    for table in kv.tables.values():
-        for i, block in enumerate(table.blocks):
-            filled[block] = max(filled.get(block, 0), min(bs, max(0, table.num_tokens - i * bs)))
+    filled: dict[int, int] = {}
+    for seq in kv.tables.values():
+        for table in seq.groups:
+            for i, block in enumerate(table.blocks):
+                if block != kv.null_block:
+                    n = min(bs, max(0, table.num_tokens - i * bs))
+                    filled[block] = max(filled.get(block, 0), n)
     usage = kv.usage()
     assert usage.tokens_stored == sum(filled.values())
     assert usage.block_references == sum(len(t.blocks) for t in kv.tables.values())
     assert usage.shared_blocks == sum(1 for b in filled if alloc.ref_count(b) > 1)
+
+
+def random_layers(rng: random.Random, hybrid: bool) -> tuple[int, tuple[int | None, ...] | None]:
+    """(layers, their windows): one kind of attention, or a mix of full and windowed
+    layers (Gemma 3's pattern), or every layer windowed (Mistral's)."""
+    if not hybrid:
+        return 1, None
+    window = rng.randint(1, 12)
+    kind = rng.choice(["gemma", "mistral", "two windows"])
+    if kind == "gemma":
+        windows: tuple[int | None, ...] = (window, window, None) * rng.randint(1, 2)
+    elif kind == "mistral":
+        windows = (window,) * rng.randint(1, 3)
+    else:
+        windows = (window, None, window + 3, None)
+    return len(windows), windows
 
 
 def random_params(rng: random.Random) -> SamplingParams | BeamSearchParams:
@@ -99,7 +141,8 @@ def random_params(rng: random.Random) -> SamplingParams | BeamSearchParams:
     )
 
 
-def simulate(seed: int, steps: int = 150, caching: bool = True) -> LLMEngine:
+def simulate(seed: int, steps: int = 150, caching: bool = True, hybrid: bool = False) -> LLMEngine:
+    """`hybrid`: a model with sliding-window layers, so several layer groups."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randint(12, 40)
@@ -111,7 +154,12 @@ def simulate(seed: int, steps: int = 150, caching: bool = True) -> LLMEngine:
         max_num_batched_tokens=rng.randint(1, 32),
         enable_prefix_caching=caching,
     )
-    engine = LLMEngine(config, runner=CountingRunner(rng.randrange(2**32)))
+    num_layers, windows = random_layers(rng, hybrid)
+    if hybrid:  # reservations too: every group reserves, window groups then give back
+        policy = rng.choice(["paged", "paged", "reserve-max", "reserve-pow2"])
+        config = dataclasses.replace(config, kv_reservation=policy)
+    runner = CountingRunner(rng.randrange(2**32), num_layers, windows)
+    engine = LLMEngine(config, runner=runner)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(3)]
     next_id = 0
     for _ in range(steps):
@@ -137,6 +185,25 @@ def simulate(seed: int, steps: int = 150, caching: bool = True) -> LLMEngine:
 @given(st.integers(min_value=0, max_value=2**32), st.booleans())
 def test_pool_stays_consistent(seed: int, caching: bool) -> None:
     simulate(seed, caching=caching)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32), st.booleans())
+def test_pool_stays_consistent_with_layer_groups(seed: int, caching: bool) -> None:
+    simulate(seed, caching=caching, hybrid=True)
+
+
+def test_layer_groups_drop_blocks_share_and_hit() -> None:
+    """Randomized hybrid runs really give blocks back behind windows, preempt, copy on
+    write and hit the prefix cache."""
+    preemptions = hits = copies = dropped = 0
+    for seed in range(20):
+        engine = simulate(seed, steps=400, hybrid=True)
+        preemptions += engine.scheduler.num_preemptions
+        hits += engine.scheduler.prefix_hit_tokens
+        copies += engine.runner.copies
+        dropped += engine.kv.num_dropped_blocks
+    assert preemptions > 0 and hits > 0 and copies > 0 and dropped > 0
 
 
 def test_many_steps_with_preemptions_copies_and_cache_hits() -> None:

@@ -5,12 +5,18 @@ global context). The batch is flat: sequence i's new tokens are rows
 `query_start_loc[i]:query_start_loc[i+1]`. It holds only what every backend reads; what
 one backend alone needs (the reference's padded groups, a kernel's work list or tile map)
 that backend builds from these fields in its `prepare(meta)`, once per step.
+
+A model whose layers form several KV layer groups (kv/groups.py) gets one metadata per
+group, bundled with the layer -> group map (`GroupedAttentionMetadata`): the groups share
+positions, query offsets, context lengths and logits rows, and differ in block tables
+and slot mapping.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -87,6 +93,76 @@ def build_attention_metadata(
         host_context_lens=context_lens,
         host_block_tables=tables,
     )
+
+
+@dataclass(frozen=True)
+class GroupedAttentionMetadata:
+    """One step's metadata for each layer group, and the group of each layer."""
+
+    groups: tuple[AttentionMetadata, ...]
+    layer_group: tuple[int, ...]  # layer index -> its group
+
+    def __post_init__(self) -> None:
+        if not self.groups or any(not 0 <= g < len(self.groups) for g in self.layer_group):
+            raise ValueError("every layer must name one of the step's metadata groups")
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata | GroupedAttentionMetadata, num_layers: int) -> Any:
+        """`meta` as grouped metadata: plain metadata serves every layer as one group."""
+        if isinstance(meta, GroupedAttentionMetadata):
+            return meta
+        return cls((meta,), (0,) * num_layers)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.groups[0].positions
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        return self.groups[0].logits_indices
+
+
+def build_grouped_metadata(
+    start_positions: Sequence[int],
+    query_lens: Sequence[int],
+    block_tables: Sequence[Sequence[Sequence[int]]],
+    logits_seq_indices: Sequence[int],
+    block_size: int,
+    layer_group: Sequence[int],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> GroupedAttentionMetadata:
+    """Metadata per layer group: `block_tables[i][g]` is sequence i's table of group g."""
+    num_groups = max(layer_group) + 1
+    first = build_attention_metadata(
+        start_positions,
+        query_lens,
+        [tables[0] for tables in block_tables],
+        logits_seq_indices,
+        block_size,
+        device,
+        dtype,
+    )
+    metas = [first]
+    if num_groups > 1:
+        # Positions, offsets and lengths are the first group's; only the tables differ.
+        qsl = first.host_query_start_loc
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qsl[1:] - qsl[:-1])
+        positions = first.positions.cpu()
+        for g in range(1, num_groups):
+            rows = [tables[g] for tables in block_tables]
+            tables = _pad(rows, max((len(t) for t in rows), default=1))
+            block_of_token = tables[seq_of_token, positions // block_size]
+            slots = block_of_token * block_size + positions % block_size
+            metas.append(
+                replace(
+                    first,
+                    slot_mapping=slots.to(device),
+                    block_tables=tables.to(device),
+                    host_block_tables=tables,
+                )
+            )
+    return GroupedAttentionMetadata(tuple(metas), tuple(layer_group))
 
 
 def query_tiles(query_start_loc: torch.Tensor, tile: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.bench.options import kv_budget_tokens
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.loader import LoadedModel
 
@@ -78,7 +79,7 @@ def run_hf(loaded: LoadedModel, requests: Requests, opts: dict) -> dict[str, Any
     model = load_hf_model(loaded)
     load_s = time.perf_counter() - load_start
     generate(model, [BenchRequest((1, 2, 3, 4), 2)])  # warm-up
-    kv_tokens = opts["num_kv_blocks"] * opts["block_size"]
+    kv_tokens = kv_budget_tokens(loaded, opts)
     batches = pack_static_batches(requests, kv_tokens, opts["max_num_seqs"])
     start, steps, seq_steps, util = time.perf_counter(), 0, 0, 0.0
     for batch in batches:

@@ -27,6 +27,7 @@ from pagedllm.engine.config import parse_size
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.block_table import check_block_size
+from pagedllm.kv.groups import group_layers, group_size
 from pagedllm.loader import LoadedModel, load_model
 
 # Two max_model_len=2048 reservations plus the 1% admission watermark, in blocks of 16:
@@ -110,6 +111,20 @@ def kv_bytes_per_token(loaded: LoadedModel, opts: dict[str, Any]) -> int:
     return loaded.config.kv_bytes_per_token(getattr(torch, dtype).itemsize)
 
 
+def blocks_per_full_block(loaded: LoadedModel, opts: dict[str, Any]) -> int:
+    """Pool blocks in the bytes of one block of every layer: layers / layers per group
+    (1 for a model of one kind, or with the hybrid manager disabled)."""
+    cfg = loaded.config
+    hybrid = not opts.get("disable_hybrid_kv_cache_manager", False)
+    groups = group_layers(cfg.layer_windows, cfg.num_hidden_layers, hybrid)
+    return cfg.num_hidden_layers // group_size(groups)
+
+
+def kv_budget_tokens(loaded: LoadedModel, opts: dict[str, Any]) -> int:
+    """The pool's bytes in tokens of every layer (what `--kv-cache-tokens` gives)."""
+    return opts["num_kv_blocks"] * opts["block_size"] // blocks_per_full_block(loaded, opts)
+
+
 def engine_kwargs(args: argparse.Namespace, loaded: LoadedModel, **overrides: Any) -> dict:
     """EngineConfig keywords for one run: the engine options, then `overrides` (a swept
     policy or block size), with the KV budget in blocks and max_model_len resolved."""
@@ -119,7 +134,9 @@ def engine_kwargs(args: argparse.Namespace, loaded: LoadedModel, **overrides: An
     tokens = args.kv_cache_tokens
     if memory is not None:
         tokens = parse_size(memory) // kv_bytes_per_token(loaded, opts)
-    blocks = opts["num_kv_blocks"] or tokens // bs
+    # A budget of `tokens` tokens of every layer; with layer groups a block holds one
+    # group's layers, so the same bytes make more blocks.
+    blocks = opts["num_kv_blocks"] or tokens // bs * blocks_per_full_block(loaded, opts)
     context = loaded.config.max_position_embeddings
     max_len = opts["max_model_len"] or min(DEFAULT_MAX_MODEL_LEN, context)
     if (blocks - 1) * bs < max_len:
@@ -159,8 +176,9 @@ def prepare(
     vocab, max_len = loaded.config.vocab_size, opts["max_model_len"]
     requests = workload_of(args, vocab, max_len, loaded.tokenizer)
     blocks, bs = opts["num_kv_blocks"], opts["block_size"]
-    mib = round(blocks * bs * kv_bytes_per_token(loaded, opts) / 2**20, 1)
-    config = {"block_size": bs, "kv_tokens": blocks * bs, "kv_blocks": blocks, "kv_mib": mib}
+    tokens = kv_budget_tokens(loaded, opts)
+    mib = round(tokens * kv_bytes_per_token(loaded, opts) / 2**20, 1)
+    config = {"block_size": bs, "kv_tokens": tokens, "kv_blocks": blocks, "kv_mib": mib}
     config |= {k: opts[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")}
     return loaded, opts, requests, new_result(name, args, loaded, config, requests=requests)
 

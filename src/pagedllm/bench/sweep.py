@@ -136,7 +136,13 @@ def build_engine(
     """A fresh engine, warmed up, and its runner (None over FakeModelRunner)."""
     gc.collect()  # the previous engine's KV pool goes before this one is allocated
     if fake:
-        spec = ModelSpec(loaded.config.vocab_size, loaded.config.max_position_embeddings)
+        cfg = loaded.config
+        spec = ModelSpec(
+            cfg.vocab_size,
+            cfg.max_position_embeddings,
+            num_layers=cfg.num_hidden_layers,
+            layer_windows=cfg.layer_windows,
+        )
         return LLMEngine(EngineConfig(**options), runner=FakeModelRunner(spec, token=0)), None
     engine, runner = engine_over_runner(EngineConfig(**options), loaded, time_attention)
     run_workload(engine, [BenchRequest((1, 2, 3, 4), 2)])  # first-call costs stay out of timings

@@ -44,8 +44,14 @@ class ScheduledSeq:
     seq_id: int
     token_ids: tuple[int, ...]
     start_pos: int
-    block_table: tuple[int, ...]
+    # One block table per layer group (kv/groups.py); a model of one kind has one.
+    block_tables: tuple[tuple[int, ...], ...]
     needs_logits: bool  # the chunk reaches the sequence's last token
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        """The first group's table: the only one of a model of one kind."""
+        return self.block_tables[0]
 
 
 @dataclass(frozen=True)
@@ -122,13 +128,15 @@ class Scheduler:
                     f"{num_seqs_param} must be at most {seq_limit} ({limit_name} of this "
                     f"engine), got {num_seqs}",
                 )
-        # Recomputation after preemption loses sharing: bound without it.
+        # Recomputation after preemption loses sharing: bound without it. A window group
+        # holds the most while it computes the longest chunk a step can give.
         usable = self.kv.num_blocks - self.kv.watermark_blocks
-        needed = num_seqs * self.kv.blocks_for_tokens(max(total, reserve_tokens))
+        chunk = self.config.max_num_batched_tokens
+        needed = num_seqs * self.kv.blocks_for_tokens(total, chunk, reserve_tokens)
         if needed > usable:
             if needed // num_seqs <= usable:
                 param = num_seqs_param  # one sequence would fit
-            elif self.kv.blocks_for_tokens(max(num_tokens + 1, reserve_tokens)) <= usable:
+            elif self.kv.blocks_for_tokens(num_tokens + 1, chunk, reserve_tokens) <= usable:
                 param = "max_tokens"
             else:
                 param = "prompt"
@@ -212,7 +220,7 @@ class Scheduler:
         admissible = 0
         for req in self.waiting:  # admission is in queue order: stop at the first misfit
             need = len(req.seqs) * self.kv.blocks_for_tokens(
-                max(req.num_tokens, req.reserve_tokens)
+                req.num_tokens, self.config.max_num_batched_tokens, req.reserve_tokens
             )
             if req.num_seq_slots > slots or need > blocks:
                 break
@@ -275,7 +283,7 @@ class Scheduler:
                         seq_id=seq.seq_id,
                         token_ids=tuple(seq.token_ids[start:end]),
                         start_pos=start,
-                        block_table=tuple(self.kv.table(seq.seq_id).blocks),
+                        block_tables=self.kv.block_tables(seq.seq_id),
                         needs_logits=end == req.num_tokens,
                     )
                 )
@@ -309,15 +317,14 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> int:
         """Allocate a waiting request's first chunk; the chunk size, or 0 if it must wait."""
         k = len(req.seqs)
-        hits = [self.kv.find_cached_prefix(s.token_ids) for s in req.seqs]
-        n = min(len(blocks) for blocks, _ in hits)
-        num_cached = n * self.kv.block_size
+        hits = self.kv.lookup_prefix([s.token_ids for s in req.seqs])
+        num_cached = hits[0].num_blocks * self.kv.block_size
         chunk = min(req.num_tokens - num_cached, budget // k)
         if chunk <= 0:
             return 0
         ok = self.kv.admit(
             [s.seq_id for s in req.seqs],
-            [(blocks[:n], hashes[:n]) for blocks, hashes in hits],
+            hits,
             num_cached + chunk,
             reserve_tokens=req.reserve_tokens,
             keep_watermark=True,

@@ -4,10 +4,12 @@ A step listener that hears the allocator's hooks (kv/events.py) and turns them i
 wire events of engine/kv_event_wire.py: a block joining the cache is a BlockStored (with
 its hash, its parent's and its tokens, read from the allocator at once; consecutive
 blocks of one chain share one event, as vLLM sends them), a cached block reused for
-other content a BlockRemoved, a reset AllBlocksCleared. At the end of each step (and
-before the next one, for what happened between steps) the events go out as one batch to
-`publish`, which must not block (KVEventPublisher queues it for its own thread). Cheap
-on the engine's thread: a dict update and a list append per cached block.
+other content a BlockRemoved, a reset AllBlocksCleared. In a model of several layer
+groups (kv/groups.py) the events describe the first group's blocks: the hashes are the
+same in every group, and a router asks which prefix an engine holds. At the end of each
+step (and before the next one, for what happened between steps) the events go out as one
+batch to `publish`, which must not block (KVEventPublisher queues it for its own thread).
+Cheap on the engine's thread: a dict update and a list append per cached block.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class CacheEventCollector(StepListener):
     # ------------------------------------------------- the allocator's hooks
     def on_cached(self, block: int) -> None:
         info = self.allocator.cached_info(block)
-        if info is None:
+        if info is None or info.group != 0:
             return
         self._hash_of[block] = info.block_hash
         last = self._events[-1] if self._events else None
@@ -99,14 +101,21 @@ class CacheEventCollector(StepListener):
         self._events.append(AllBlocksCleared())
 
     # ------------------------------- the manager's hooks: tables say nothing here
-    def on_admitted(self, seq_id: int, table: TableView, num_hits: int) -> None:
+    def on_admitted(self, seq_id: int, table: TableView, num_hits: int, group: int = 0) -> None:
         pass
 
-    def on_grown(self, seq_id: int, table: TableView, copies: list[tuple[int, int]]) -> None:
+    def on_grown(
+        self, seq_id: int, table: TableView, copies: list[tuple[int, int]], group: int = 0
+    ) -> None:
         pass
 
-    def on_forked(self, parent_id: int, child_id: int, table: TableView) -> None:
+    def on_forked(self, parent_id: int, child_id: int, table: TableView, group: int = 0) -> None:
         pass
 
-    def on_freed(self, seq_id: int, table: TableView) -> None:
+    def on_freed(self, seq_id: int, table: TableView, group: int = 0) -> None:
+        pass
+
+    def on_dropped(
+        self, seq_id: int, table: TableView, dropped: list[tuple[int, int]], group: int = 0
+    ) -> None:
         pass

@@ -8,6 +8,7 @@ InvalidParameterError naming the option.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -65,6 +66,9 @@ class EngineConfig:
     device: str = "cpu"
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tp_runner.py)
     enable_prefix_caching: bool = True
+    # Allocate every layer as full attention (sliding-window layers still compute over
+    # their window): the layer-group manager's comparison point.
+    disable_hybrid_kv_cache_manager: bool = False
     kv_reservation: str = "paged"
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
     seed: int = 0
@@ -104,12 +108,27 @@ class EngineConfig:
         (built, and so checked, once: in __post_init__)."""
         return RunnerOptions.of(self)
 
-    def pool_size(self, block_bytes: int, max_positions: int) -> tuple[int, int, int]:
+    def pool_size(
+        self,
+        block_bytes: int,
+        max_positions: int,
+        blocks_for: Callable[[int], int] | None = None,
+    ) -> tuple[int, int, int]:
         """(KV blocks, watermark blocks, max_model_len) for blocks of `block_bytes` and a
-        model of `max_positions`: a request may grow to every block but the watermark."""
+        model of `max_positions`: a request may grow to every block but the watermark.
+        `blocks_for(n)`: the blocks one sequence of n tokens holds at most (default: one
+        per `block_size` tokens; fewer with sliding-window layer groups)."""
         num_blocks = self.num_kv_blocks or max(1, parse_size(self.kv_cache_memory) // block_bytes)
         watermark_blocks = min(int(self.watermark * num_blocks), num_blocks - 1)
-        max_len = min(max_positions, (num_blocks - watermark_blocks) * self.block_size)
+        usable = num_blocks - watermark_blocks
+        if blocks_for is None:
+            max_len = min(max_positions, usable * self.block_size)
+        else:  # the longest sequence that fits: blocks_for grows with n
+            low, high = 0, max_positions
+            while low < high:
+                mid = (low + high + 1) // 2
+                low, high = (mid, high) if blocks_for(mid) <= usable else (low, mid - 1)
+            max_len = low
         if self.max_model_len is not None:
             if self.max_model_len > max_positions:
                 raise InvalidParameterError(

@@ -56,8 +56,10 @@ class KVRecorder(StepListener):
         self.remove: Callable[[], None] | None = None  # set by the engine that registers it
         self._events: list[Event] = []
         self._owner: dict[int, str] = {}  # sequence id -> request id
-        # What each table was when last seen, to tell what a hook changed.
-        self._length: dict[int, int] = {}
+        # What each table ((sequence, group)) was when last seen, to tell what a hook
+        # changed; `_tokens` per sequence (its first group's), for the text mode.
+        self._length: dict[tuple[int, int], int] = {}
+        self._seen_tokens: dict[tuple[int, int], int] = {}
         self._tokens: dict[int, int] = {}
         self._text_from: dict[int, int] = {}  # text mode: first logical block to re-read
         self._seen(kv)
@@ -112,76 +114,123 @@ class KVRecorder(StepListener):
         self._events.append({"k": "reset"})
 
     # --------------------------------------------------- the manager's hooks
-    def on_admitted(self, seq_id: int, table: TableView, num_hits: int) -> None:
+    def on_admitted(self, seq_id: int, table: TableView, num_hits: int, group: int = 0) -> None:
         req = self._request_of(seq_id)
+        g = _group_field(group)
         if num_hits:
             self._events.append(
-                {"k": "hit", "seq": seq_id, "req": req, "blocks": table.blocks[:num_hits]}
+                {
+                    "k": "hit",
+                    "seq": seq_id,
+                    "req": req,
+                    **g,
+                    "blocks": _json_blocks(self.kv, table.blocks[:num_hits]),
+                }
             )
         self._events.append(
             {
                 "k": "alloc",
                 "seq": seq_id,
                 "req": req,
+                **g,
                 "blocks": table.blocks[num_hits:],
                 "tokens": table.num_tokens,
             }
         )
-        self._length[seq_id] = len(table.blocks)
+        self._length[seq_id, group] = len(table.blocks)
+        self._seen_tokens[seq_id, group] = table.num_tokens
         self._tokens[seq_id] = table.num_tokens
         self._dirty(seq_id, num_hits)
 
-    def on_grown(self, seq_id: int, table: TableView, copies: list[tuple[int, int]]) -> None:
+    def on_grown(
+        self, seq_id: int, table: TableView, copies: list[tuple[int, int]], group: int = 0
+    ) -> None:
         req = self._owner.get(seq_id)
-        old_tokens = self._tokens.get(seq_id, 0)
+        g = _group_field(group)
+        key = (seq_id, group)
+        old_tokens = self._seen_tokens.get(key, 0)
         for src, dst in copies:
             index = table.blocks.index(dst)
             self._events.append(
-                {"k": "cow", "seq": seq_id, "req": req, "index": index, "src": src, "dst": dst}
+                {"k": "cow", "seq": seq_id, "req": req, **g, "index": index, "src": src, "dst": dst}
             )
-        old_length = self._length.get(seq_id, 0)
+        old_length = self._length.get(key, 0)
         if len(table.blocks) > old_length:
             self._events.append(
                 {
                     "k": "alloc",
                     "seq": seq_id,
                     "req": req,
+                    **g,
                     "blocks": table.blocks[old_length:],
                     "tokens": table.num_tokens,
                 }
             )
         elif table.num_tokens != old_tokens:
             self._events.append(
-                {"k": "append", "seq": seq_id, "req": req, "tokens": table.num_tokens}
+                {"k": "append", "seq": seq_id, "req": req, **g, "tokens": table.num_tokens}
             )
         else:
             return
-        self._length[seq_id] = len(table.blocks)
-        self._tokens[seq_id] = table.num_tokens
-        self._dirty(seq_id, old_tokens // self.kv.block_size)
+        self._length[key] = len(table.blocks)
+        self._seen_tokens[key] = table.num_tokens
+        if group == 0:
+            self._tokens[seq_id] = table.num_tokens
+            self._dirty(seq_id, old_tokens // self.kv.block_size)
 
-    def on_forked(self, parent_id: int, child_id: int, table: TableView) -> None:
+    def on_forked(self, parent_id: int, child_id: int, table: TableView, group: int = 0) -> None:
         req = self._owner.get(parent_id)
         if req is not None:
             self._owner[child_id] = req
-        self._events.append({"k": "fork", "seq": child_id, "req": req, "parent": parent_id})
-        self._length[child_id] = len(table.blocks)
+        self._events.append(
+            {"k": "fork", "seq": child_id, "req": req, **_group_field(group), "parent": parent_id}
+        )
+        self._length[child_id, group] = len(table.blocks)
+        self._seen_tokens[child_id, group] = table.num_tokens
         self._tokens[child_id] = table.num_tokens
 
-    def on_freed(self, seq_id: int, table: TableView) -> None:
-        req = self._owner.pop(seq_id, None)
-        self._events.append({"k": "free", "seq": seq_id, "req": req, "blocks": list(table.blocks)})
-        self._length.pop(seq_id, None)
-        self._tokens.pop(seq_id, None)
-        self._text_from.pop(seq_id, None)
+    def on_freed(self, seq_id: int, table: TableView, group: int = 0) -> None:
+        req = self._owner.get(seq_id)
+        self._events.append(
+            {
+                "k": "free",
+                "seq": seq_id,
+                "req": req,
+                **_group_field(group),
+                "blocks": _json_blocks(self.kv, table.blocks),
+            }
+        )
+        self._length.pop((seq_id, group), None)
+        self._seen_tokens.pop((seq_id, group), None)
+        if group == self.kv.num_groups - 1:  # the sequence's last table
+            self._owner.pop(seq_id, None)
+            self._tokens.pop(seq_id, None)
+            self._text_from.pop(seq_id, None)
+
+    def on_dropped(
+        self, seq_id: int, table: TableView, dropped: list[tuple[int, int]], group: int = 0
+    ) -> None:
+        upto = max(i for i, _ in dropped) + 1
+        self._events.append(
+            {
+                "k": "drop",
+                "seq": seq_id,
+                "req": self._owner.get(seq_id),
+                **_group_field(group),
+                "upto": upto,
+                "blocks": [b for _, b in dropped],
+            }
+        )
 
     # ---------------------------------------------------------------- helpers
     def _seen(self, kv: KVCacheManager) -> None:
         """Take the tables that exist now as the starting point."""
         self._owner = owners_of(self.scheduler)
-        for seq_id, table in kv.tables.items():
-            self._length[seq_id] = len(table.blocks)
-            self._tokens[seq_id] = table.num_tokens
+        for seq_id, seq in kv.tables.items():
+            for group, table in enumerate(seq.groups):
+                self._length[seq_id, group] = len(table.blocks)
+                self._seen_tokens[seq_id, group] = table.num_tokens
+            self._tokens[seq_id] = seq.num_tokens
 
     def _request_of(self, seq_id: int) -> str | None:
         req = self._owner.get(seq_id)
@@ -211,14 +260,30 @@ class KVRecorder(StepListener):
             seq, tokens = seqs.get(seq_id), self._tokens.get(seq_id)
             if seq is None or tokens is None:
                 continue
-            blocks = self.kv.tables[seq_id].blocks
-            for i in range(first, min(len(blocks), -(-tokens // bs))):
-                ids = seq.token_ids[i * bs : min(tokens, (i + 1) * bs)]
-                self._events.append({"k": "text", "block": blocks[i], "text": self._decode(ids)})
+            for table in self.kv.tables[seq_id].groups:
+                blocks = table.blocks
+                for i in range(first, min(len(blocks), -(-tokens // bs))):
+                    if blocks[i] == self.kv.null_block:
+                        continue
+                    ids = seq.token_ids[i * bs : min(tokens, (i + 1) * bs)]
+                    self._events.append(
+                        {"k": "text", "block": blocks[i], "text": self._decode(ids)}
+                    )
         self._text_from.clear()
 
     def _decode(self, token_ids: Iterable[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids)))
+
+
+def _group_field(group: int) -> dict[str, int]:
+    """The `g` of a table event: none for group 0 (a one-kind model's events unchanged)."""
+    return {"g": group} if group else {}
+
+
+def _json_blocks(kv: KVCacheManager, blocks: Sequence[int]) -> list[int]:
+    """Table entries as events carry them: the null block as -1."""
+    null = kv.null_block
+    return [-1 if b == null else b for b in blocks]
 
 
 def owners_of(scheduler: Scheduler) -> dict[int, str]:
@@ -251,12 +316,13 @@ def engine_snapshot(
         seqs = seqs_of(scheduler)
         bs = kv.block_size
         text: dict[int, str] = {}
-        for seq_id, table in kv.tables.items():
+        for seq_id, tables in kv.tables.items():
             seq = seqs.get(seq_id)
-            for i, block in enumerate(table.blocks if seq is not None else []):
-                if block not in text:
-                    ids = seq.token_ids[i * bs : min(table.num_tokens, (i + 1) * bs)]
-                    text[block] = str(tokenizer.decode(list(ids)))
+            for table in tables.groups if seq is not None else []:
+                for i, block in enumerate(table.blocks):
+                    if block not in text and block != kv.null_block:
+                        ids = seq.token_ids[i * bs : min(table.num_tokens, (i + 1) * bs)]
+                        text[block] = str(tokenizer.decode(list(ids)))
         snapshot["text"] = {str(b): t for b, t in text.items()}
     return snapshot
 

@@ -58,21 +58,29 @@ class KVHooks:
         for listener in self.listeners:
             listener.on_cache_reset()
 
-    def on_admitted(self, seq_id: int, table: TableView, num_hits: int) -> None:
+    def on_admitted(self, seq_id: int, table: TableView, num_hits: int, group: int = 0) -> None:
         for listener in self.listeners:
-            listener.on_admitted(seq_id, table, num_hits)
+            listener.on_admitted(seq_id, table, num_hits, group=group)
 
-    def on_grown(self, seq_id: int, table: TableView, copies: list[tuple[int, int]]) -> None:
+    def on_grown(
+        self, seq_id: int, table: TableView, copies: list[tuple[int, int]], group: int = 0
+    ) -> None:
         for listener in self.listeners:
-            listener.on_grown(seq_id, table, copies)
+            listener.on_grown(seq_id, table, copies, group=group)
 
-    def on_forked(self, parent_id: int, child_id: int, table: TableView) -> None:
+    def on_forked(self, parent_id: int, child_id: int, table: TableView, group: int = 0) -> None:
         for listener in self.listeners:
-            listener.on_forked(parent_id, child_id, table)
+            listener.on_forked(parent_id, child_id, table, group=group)
 
-    def on_freed(self, seq_id: int, table: TableView) -> None:
+    def on_freed(self, seq_id: int, table: TableView, group: int = 0) -> None:
         for listener in self.listeners:
-            listener.on_freed(seq_id, table)
+            listener.on_freed(seq_id, table, group=group)
+
+    def on_dropped(
+        self, seq_id: int, table: TableView, dropped: list[tuple[int, int]], group: int = 0
+    ) -> None:
+        for listener in self.listeners:
+            listener.on_dropped(seq_id, table, dropped, group=group)
 
 
 class Listeners:

@@ -47,6 +47,7 @@ from pagedllm.engine.snapshot import EngineSnapshot, take_snapshot
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_rows import StepRows, raise_row_errors
 from pagedllm.errors import InvalidParameterError
+from pagedllm.kv.groups import group_layers, group_size
 from pagedllm.kv.manager import KVCacheManager, KVUsage
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 from pagedllm.worker.runner import ModelRunner, SampledTokens, SampleRow
@@ -80,9 +81,18 @@ class LLMEngine:
         spec = runner.spec
         self.vocab_size = spec.vocab_size
 
-        block_bytes = runner.kv_bytes_per_block(config.block_size)
+        groups = group_layers(
+            spec.layer_windows, spec.num_layers, not config.disable_hybrid_kv_cache_manager
+        )
+        # A block holds one group's layers: a share of what a block of every layer takes.
+        block_bytes = -(
+            -runner.kv_bytes_per_block(config.block_size) * group_size(groups) // spec.num_layers
+        )
+        sizing = KVCacheManager(1, config.block_size, groups=groups)  # counts blocks only
         num_blocks, watermark_blocks, max_len = config.pool_size(
-            block_bytes, spec.max_position_embeddings
+            block_bytes,
+            spec.max_position_embeddings,
+            lambda n: sizing.blocks_for_tokens(n, min(n, config.max_num_batched_tokens)),
         )
         self.max_model_len = max_len
         self.kv = KVCacheManager(
@@ -90,6 +100,7 @@ class LLMEngine:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             watermark_blocks=watermark_blocks,
+            groups=groups,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -99,7 +110,12 @@ class LLMEngine:
             ),
             self.kv,
         )
-        runner.init_kv_cache(num_blocks, config.block_size)
+        runner.init_kv_cache(
+            num_blocks,
+            config.block_size,
+            tuple(g.layers for g in groups),
+            self.kv.null_block is not None,
+        )
         self.eos_token_ids = set(spec.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
@@ -114,12 +130,16 @@ class LLMEngine:
         if config.kv_events_endpoint is not None:
             self.kv_events = self._publish_kv_events(config.kv_events_endpoint)
         logger.info(
-            "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d",
+            "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d; "
+            "%d layer group(s) of %d layers, windows %s",
             num_blocks,
             config.block_size,
             block_bytes,
             num_blocks * block_bytes / 2**20,
             max_len,
+            len(groups),
+            group_size(groups),
+            [g.window for g in groups],
         )
 
     # --------------------------------------------------------------- requests

@@ -17,12 +17,14 @@ from pagedllm.kv.manager import KVCacheManager, KVUsage
 
 @dataclass(frozen=True)
 class TableFigures:
-    """One live sequence's block table: slots it holds (`capacity`) and fills."""
+    """One live sequence's block tables: slots they span (`capacity`) and fill, and the
+    pool blocks each layer group's table holds (one group in a model of one kind)."""
 
     request_id: str
     seq_id: int
     capacity: int
     num_tokens: int
+    group_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,13 @@ class EngineSnapshot:
     num_admissible: int
     # The running sequences' tables, only when asked for (`snapshot(tables=True)`).
     tables: tuple[TableFigures, ...] = ()
-    # The hashes of the prefix cache's blocks (what KV events describe), only when asked
-    # for (`snapshot(cached_hashes=True)`: O(blocks)); None otherwise.
+    # The hashes of the prefix cache's blocks of the first layer group (what KV events
+    # describe), only when asked for (`snapshot(cached_hashes=True)`: O(blocks)).
     cached_hashes: frozenset[bytes] | None = None
+    # The KV layer groups' windows (None: full attention); one entry per group.
+    group_windows: tuple[int | None, ...] = (None,)
+    # Table entries given back behind a window since the engine started.
+    num_dropped_blocks: int = 0
 
     @property
     def backlog(self) -> int:
@@ -85,12 +91,14 @@ def take_snapshot(
         hashes = frozenset(
             info.block_hash
             for block in range(alloc.num_blocks)
-            if (info := alloc.cached_info(block)) is not None
+            if (info := alloc.cached_info(block)) is not None and info.group == 0
         )
     figures: tuple[TableFigures, ...] = ()
     if tables:
         figures = tuple(
-            TableFigures(req.request_id, seq.seq_id, table.capacity, table.num_tokens)
+            TableFigures(
+                req.request_id, seq.seq_id, table.capacity, table.num_tokens, table.group_blocks()
+            )
             for req in scheduler.running
             for seq in req.seqs
             if (table := kv.tables.get(seq.seq_id)) is not None
@@ -107,4 +115,6 @@ def take_snapshot(
         num_admissible=scheduler.num_admissible(),
         tables=figures,
         cached_hashes=hashes,
+        group_windows=kv.windows,
+        num_dropped_blocks=kv.num_dropped_blocks,
     )

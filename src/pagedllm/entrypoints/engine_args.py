@@ -78,6 +78,12 @@ OPTIONS = (
         boolean=True,
     ),
     _Option(
+        "disable_hybrid_kv_cache_manager",
+        "allocate sliding-window layers' KV for the whole sequence, as full attention "
+        "(they still attend over their window); for comparison",
+        boolean=True,
+    ),
+    _Option(
         "kv_reservation",
         "paged allocates blocks on demand; the others reserve up front (baselines)",
         choices=RESERVATION_POLICIES,

@@ -5,7 +5,9 @@ holds a full, hashed block of tokens keeps its hash while it waits: a request wi
 same prefix takes it back out in O(1) (a cache hit) until the pool hands it to someone
 else (an eviction). Uncached free blocks go to the front of the queue and cached ones to
 the back, so the least recently used cached block is evicted first and only once no
-worthless block is left.
+worthless block is left. With several layer groups (kv/groups.py) each group caches its
+own blocks: the cache is keyed by (group, chained hash), the hash itself the same for
+every group.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class CachedBlock:
     block_hash: bytes
     parent_hash: bytes
     token_ids: tuple[int, ...]
+    group: int = 0  # the layer group whose K/V the block holds
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -46,7 +49,7 @@ class BlockAllocator:
         # An OrderedDict is a doubly linked list with a hash index: O(1) pop from the front,
         # append at either end, and removal from the middle on a cache hit.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._cached_by_hash: dict[bytes, int] = {}
+        self._cached_by_hash: dict[tuple[int, bytes], int] = {}
         self._cached_info: dict[int, CachedBlock] = {}
         self.num_evictions = 0
         self.listener: PoolListener | None = None  # the KV view, when one watches
@@ -90,7 +93,7 @@ class BlockAllocator:
         block, _ = self._free.popitem(last=False)
         info = self._cached_info.pop(block, None)
         if info is not None:
-            del self._cached_by_hash[info.block_hash]
+            del self._cached_by_hash[info.group, info.block_hash]
             self.num_evictions += 1
             if self.listener is not None:
                 self.listener.on_evicted(block)
@@ -140,28 +143,48 @@ class BlockAllocator:
             self._fill[block] = num_tokens
 
     # ------------------------------------------------------------ prefix cache
-    def lookup(self, parent_hash: bytes, token_ids: Sequence[int]) -> tuple[int, bytes] | None:
-        """The cached block holding exactly these tokens after this parent, and its hash."""
+    def lookup(
+        self, parent_hash: bytes, token_ids: Sequence[int], group: int = 0
+    ) -> tuple[int, bytes] | None:
+        """The cached block of `group` holding exactly these tokens after this parent,
+        and its hash."""
         block_hash = hash_block(parent_hash, token_ids)
-        block = self._cached_by_hash.get(block_hash)
+        block = self.cached_block(group, block_hash, parent_hash, token_ids)
+        return None if block is None else (block, block_hash)
+
+    def cached_block(
+        self, group: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int]
+    ) -> int | None:
+        """The cached block of `group` whose hash is `block_hash`, if it holds exactly
+        these tokens after this parent."""
+        block = self._cached_by_hash.get((group, block_hash))
         if block is None:
             return None
         info = self._cached_info[block]
         # Confirm: a hash collision must never hand out another prefix's K/V.
         if info.parent_hash != parent_hash or info.token_ids != tuple(token_ids):
             return None
-        return block, block_hash
+        return block
 
-    def register(self, block: int, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-        """Record that `block` holds these (computed) tokens; returns the block's hash.
-
-        If another block already holds the same content, that one stays the cached copy.
+    def register(
+        self,
+        block: int,
+        parent_hash: bytes,
+        token_ids: Sequence[int],
+        group: int = 0,
+        block_hash: bytes | None = None,
+    ) -> bytes:
+        """Record that `block` holds these (computed) tokens of `group`; returns the
+        block's hash (`block_hash`: that hash, already computed). If another block
+        already holds the same content, that one stays the cached copy.
         """
         self._check(block)
-        block_hash = hash_block(parent_hash, token_ids)
-        if block_hash not in self._cached_by_hash and block not in self._cached_info:
-            self._cached_by_hash[block_hash] = block
-            self._cached_info[block] = CachedBlock(block_hash, parent_hash, tuple(token_ids))
+        if block_hash is None:
+            block_hash = hash_block(parent_hash, token_ids)
+        key = (group, block_hash)
+        if key not in self._cached_by_hash and block not in self._cached_info:
+            self._cached_by_hash[key] = block
+            self._cached_info[block] = CachedBlock(block_hash, parent_hash, tuple(token_ids), group)
             if self.listener is not None:
                 self.listener.on_cached(block)
         return block_hash

@@ -2,7 +2,9 @@
 
 Token i lives in logical block i // block_size, slot i % block_size. The table grows by
 one block when its last block is full, never before; a write into a last block that
-other tables share copies it first (copy-on-write).
+other tables share copies it first (copy-on-write). A table of a sliding-window layer
+group gives back the blocks wholly behind its window: their entries become the null
+block, an id outside the pool that holds nothing and that no kernel reads.
 """
 
 from __future__ import annotations
@@ -26,10 +28,17 @@ def check_block_size(block_size: int) -> None:
 
 
 class BlockTable:
-    def __init__(self, block_size: int, allocator: BlockAllocator) -> None:
+    def __init__(
+        self, block_size: int, allocator: BlockAllocator, null_block: int | None = None
+    ) -> None:
+        """`null_block`: the id that stands for a block given back behind a window (None:
+        this table never gives any back)."""
         self.block_size = block_size
         self.allocator = allocator
+        self.null_block = null_block
         self.blocks: list[int] = []
+        # Leading entries that are the null block (all before the window).
+        self.num_dropped = 0
         # Tokens whose slots are claimed (written, or to be written by the current step).
         self.num_tokens = 0
         # Chained hashes of the leading full blocks already offered to the prefix cache.
@@ -92,28 +101,55 @@ class BlockTable:
         return True
 
     def add_cached_blocks(self, blocks: list[int], block_hashes: list[bytes]) -> None:
-        """Start the table with prefix-cache hits (the caller took their references)."""
+        """Start the table with prefix-cache hits (the caller took their references);
+        entries behind a window are the null block."""
         if self.blocks:
             raise RuntimeError("prefix-cache hits can only start an empty block table")
         self.blocks = list(blocks)
         self.block_hashes = list(block_hashes)
         self.num_tokens = len(blocks) * self.block_size
+        self.num_dropped = 0
+        while self.num_dropped < len(blocks) and blocks[self.num_dropped] == self.null_block:
+            self.num_dropped += 1
+
+    def drop_blocks_before(self, first_needed_token: int) -> list[tuple[int, int]]:
+        """Give back the blocks wholly before token `first_needed_token` (behind the
+        window of the next token computed); their entries become the null block.
+        Returns the (index, block) pairs given back."""
+        if self.null_block is None:
+            raise RuntimeError("this table keeps every block: it has no null block")
+        end = min(max(0, first_needed_token) // self.block_size, len(self.blocks))
+        dropped = []
+        for i in range(self.num_dropped, end):
+            block = self.blocks[i]
+            if block != self.null_block:
+                self.allocator.free(block)
+                self.blocks[i] = self.null_block
+                dropped.append((i, block))
+        self.num_dropped = max(self.num_dropped, end)
+        return dropped
+
+    def real_blocks(self) -> list[int]:
+        """The table's blocks from the pool (null entries left out), in logical order."""
+        return self.blocks[self.num_dropped :]
 
     def fork(self) -> BlockTable:
         """A new table pointing at the same physical blocks (reference counts go up)."""
-        child = BlockTable(self.block_size, self.allocator)
-        for block in self.blocks:
+        child = BlockTable(self.block_size, self.allocator, self.null_block)
+        for block in self.real_blocks():
             self.allocator.incref(block)
         child.blocks = list(self.blocks)
+        child.num_dropped = self.num_dropped
         child.num_tokens = self.num_tokens
         child.block_hashes = list(self.block_hashes)
         return child
 
     def free(self) -> None:
         """Release every block; the tail first, so a prefix's head stays cached longest."""
-        for block in reversed(self.blocks):
+        for block in reversed(self.real_blocks()):
             self.allocator.free(block)
         self.blocks = []
+        self.num_dropped = 0
         self.block_hashes = []
         self.num_tokens = 0
 

@@ -21,6 +21,9 @@ Replaying them in order from the pool they started from gives the pool exactly
                                          the shared `src` to the fresh `dst` (a copy)
   fork     seq req parent                a new table sharing every block of `parent`'s
   free     seq req blocks                the table is gone (reference counts -1)
+  drop     seq req upto blocks           a sliding-window table gave back `blocks`: its
+                                         entries before `upto` are now the null block
+                                         (-1 here; reference counts -1)
   cache    block                         the block's full content joins the prefix cache
   evict    block                         a cached free block is reused: its entry is gone
   reset                                  the prefix cache forgot every entry
@@ -29,6 +32,10 @@ Replaying them in order from the pool they started from gives the pool exactly
   finish   req                           the request ended (all its sequences done)
   abort    req                           the request was aborted
   text     block text                    (only when text is asked for) the block's tokens
+
+A model with several layer groups (kv/groups.py) has one table per sequence and group:
+the table events of group g > 0 carry `"g": g` (none: group 0, the only group of a
+model of one kind).
 
 Events of one engine step are grouped in a record `{"step": n, "ev": [...], "st": {...}}`
 with the step's figures in `st` (engine/kv_recorder.py).
@@ -59,18 +66,30 @@ class PoolListener(Protocol):
 
 
 class KVListener(PoolListener, Protocol):
-    """Hooks of the manager: block tables start, grow, fork and go."""
+    """Hooks of the manager: block tables start, grow, fork and go; `group` is the layer
+    group the table belongs to (0 in a model of one kind)."""
 
-    def on_admitted(self, seq_id: int, table: TableView, num_hits: int) -> None:
+    def on_admitted(self, seq_id: int, table: TableView, num_hits: int, group: int = 0) -> None:
         """A new table: its first `num_hits` blocks are prefix-cache hits, the rest new."""
         ...
 
-    def on_grown(self, seq_id: int, table: TableView, copies: list[tuple[int, int]]) -> None:
+    def on_grown(
+        self, seq_id: int, table: TableView, copies: list[tuple[int, int]], group: int = 0
+    ) -> None:
         """The table claims more slots, after `copies` (copy-on-write (src, dst))."""
         ...
 
-    def on_forked(self, parent_id: int, child_id: int, table: TableView) -> None: ...
+    def on_forked(
+        self, parent_id: int, child_id: int, table: TableView, group: int = 0
+    ) -> None: ...
 
-    def on_freed(self, seq_id: int, table: TableView) -> None:
+    def on_freed(self, seq_id: int, table: TableView, group: int = 0) -> None:
         """Called before the table lets go of its blocks."""
+        ...
+
+    def on_dropped(
+        self, seq_id: int, table: TableView, dropped: list[tuple[int, int]], group: int = 0
+    ) -> None:
+        """A window group's table gave back `dropped` ((index, block) pairs): those
+        entries are now the null block."""
         ...

@@ -2,7 +2,9 @@
 
 It answers the scheduler's questions in block terms (can this sequence grow by n
 tokens? which cached prefix can a new request reuse?) and reports the pool's usage:
-the figures the engine exposes at every step.
+the figures the engine exposes at every step. Each sequence has one table per layer
+group (kv/groups.py); a sliding-window group gives its blocks behind the window back as
+the sequence grows, and its prefix-cache hits need only the window's blocks.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedllm.kv.allocator import BlockAllocator
+from pagedllm.kv.allocator import BlockAllocator, hash_block
 from pagedllm.kv.block_table import BlockTable, check_block_size
 from pagedllm.kv.events import KVListener
+from pagedllm.kv.groups import KVGroupSpec, has_window
+from pagedllm.kv.sequence_blocks import CachedPrefix, SequenceBlocks
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,9 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         watermark_blocks: int = 0,
+        groups: Sequence[KVGroupSpec] | None = None,
     ) -> None:
+        """`groups`: the model's layer groups (default: one full-attention group)."""
         check_block_size(block_size)
         if not 0 <= watermark_blocks < num_blocks:
             raise ValueError(
@@ -64,7 +70,15 @@ class KVCacheManager:
         self.allocator = BlockAllocator(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks
-        self.tables: dict[int, BlockTable] = {}
+        self.groups: tuple[KVGroupSpec, ...] = (
+            tuple(groups) if groups else (KVGroupSpec(None, (0,)),)
+        )
+        self.windows = tuple(g.window for g in self.groups)
+        # The id past the pool that stands for blocks given back behind a window: never
+        # handed out, freed or counted; the worker's cache holds one extra block for it.
+        self.null_block: int | None = num_blocks if has_window(self.groups) else None
+        self.tables: dict[int, SequenceBlocks] = {}
+        self.num_dropped_blocks = 0  # table entries given back behind a window, ever
         self._pending_copies: list[tuple[int, int]] = []
         # Whoever watches the pool (the engine's KV recorders), else None: see set_listener.
         self.listener: KVListener | None = None
@@ -79,70 +93,162 @@ class KVCacheManager:
         return self.allocator.num_blocks
 
     @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free_blocks
 
-    def table(self, seq_id: int) -> BlockTable:
-        return self.tables[seq_id]
+    def table(self, seq_id: int, group: int = 0) -> BlockTable:
+        """The sequence's block table of layer group `group`."""
+        return self.tables[seq_id].groups[group]
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def block_tables(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
+        """The sequence's block tables, one per group, as plain data for the worker."""
+        return tuple(tuple(t.blocks) for t in self.tables[seq_id].groups)
+
+    def blocks_for_tokens(
+        self, num_tokens: int, chunk: int | None = None, reserve_tokens: int = 0
+    ) -> int:
+        """Blocks one sequence of `num_tokens` tokens holds at most over every group,
+        computed `chunk` tokens a step (default: all at once), with `reserve_tokens`
+        reserved up front in every group (the contiguous-reservation baselines)."""
+        chunk = num_tokens if chunk is None else chunk
+        held = sum(g.blocks_held(num_tokens, self.block_size, chunk) for g in self.groups)
+        return max(held, self.num_groups * -(-reserve_tokens // self.block_size))
 
     # --------------------------------------------------------------- prefix cache
     def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Blocks of the longest cached prefix of full blocks, and their hashes.
+        """The first group's table entries of the longest usable cached prefix, and the
+        blocks' hashes (see `lookup_prefix`)."""
+        (hit,) = self.lookup_prefix([token_ids])
+        return list(hit.tables[0]), list(hit.hashes)
 
-        The last token is never covered, so the step that admits the sequence still
-        computes at least one token and produces logits.
+    def lookup_prefix(self, token_ids: Sequence[Sequence[int]]) -> list[CachedPrefix]:
+        """The longest prefix of full blocks that every one of these sequences (one
+        request's) can take from the prefix cache, as each sequence's hit.
+
+        A full-attention group needs every block of the prefix cached; a window group
+        only those its window covers for the first token after it. The last token is
+        never covered, so the step that admits the sequence still computes at least one
+        token and produces logits.
         """
-        if not self.enable_prefix_caching:
-            return [], []
-        blocks: list[int] = []
+        empty = CachedPrefix.empty(self.num_groups)
+        if not self.enable_prefix_caching or not token_ids:
+            return [empty for _ in token_ids]
+        found = [self._cached_blocks(ids) for ids in token_ids]
+        n = min(len(hashes) for _, hashes in found)
+        while n > 0 and not all(self._window_hit(blocks, n) for blocks, _ in found):
+            n -= 1
+        if n == 0:
+            return [empty for _ in token_ids]
+        return [self._hit(blocks, hashes, n) for blocks, hashes in found]
+
+    def _cached_blocks(
+        self, token_ids: Sequence[int]
+    ) -> tuple[list[list[int | None]], list[bytes]]:
+        """Per group, the cached block of each leading full block (None: not cached), and
+        their hashes: as far as the full-attention groups all hit (every block but the
+        one holding the last token, without them)."""
+        bs = self.block_size
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        blocks: list[list[int | None]] = [[] for _ in self.groups]
         hashes: list[bytes] = []
         parent = b""
-        bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            hit = self.allocator.lookup(parent, token_ids[i * bs : (i + 1) * bs])
-            if hit is None:
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            block_hash = hash_block(parent, tokens)
+            row = [
+                self.allocator.cached_block(g, block_hash, parent, tokens)
+                for g in range(self.num_groups)
+            ]
+            if any(row[g] is None for g in full):
                 break
-            blocks.append(hit[0])
-            hashes.append(hit[1])
-            parent = hit[1]
+            for g, block in enumerate(row):
+                blocks[g].append(block)
+            hashes.append(block_hash)
+            parent = block_hash
         return blocks, hashes
+
+    def _first_needed_block(self, group: int, num_tokens: int) -> int:
+        """The first block group `group` reads to compute the token after `num_tokens`."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, num_tokens - window + 1) // self.block_size
+
+    def _window_hit(self, blocks: list[list[int | None]], n: int) -> bool:
+        """Whether the first `n` blocks serve as a hit: every group has the blocks it
+        reads next cached."""
+        return all(
+            all(
+                b is not None
+                for b in blocks[g][self._first_needed_block(g, n * self.block_size) : n]
+            )
+            for g in range(self.num_groups)
+        )
+
+    def _hit(self, blocks: list[list[int | None]], hashes: list[bytes], n: int) -> CachedPrefix:
+        tables = []
+        for g in range(self.num_groups):
+            first = self._first_needed_block(g, n * self.block_size)
+            row = [self.null_block] * first + blocks[g][first:n]
+            tables.append(tuple(int(b) for b in row if b is not None))
+        return CachedPrefix(tuple(tables), tuple(hashes[:n]))
 
     def cache_computed_blocks(
         self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int
     ) -> None:
-        """Offer the sequence's newly computed full blocks to the prefix cache."""
+        """Offer the sequence's newly computed full blocks to the prefix cache, each in
+        its group (a block already given back behind a window is only hashed)."""
         if not self.enable_prefix_caching:
             return
-        table = self.tables[seq_id]
+        tables = self.tables[seq_id].groups
+        first = tables[0]
         bs = self.block_size
-        for i in range(len(table.block_hashes), num_computed_tokens // bs):
-            parent = table.block_hashes[-1] if table.block_hashes else b""
+        for i in range(len(first.block_hashes), num_computed_tokens // bs):
+            parent = first.block_hashes[-1] if first.block_hashes else b""
             tokens = token_ids[i * bs : (i + 1) * bs]
-            table.block_hashes.append(self.allocator.register(table.blocks[i], parent, tokens))
+            block_hash = hash_block(parent, tokens)
+            for g, table in enumerate(tables):
+                if table.blocks[i] != self.null_block:
+                    self.allocator.register(table.blocks[i], parent, tokens, g, block_hash)
+                table.block_hashes.append(block_hash)
 
     # ------------------------------------------------------------------- growth
     def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
-        """Make the sequence's table hold `num_tokens` tokens in all (a new sequence starts
-        an empty table). All or nothing: False and no change when the pool cannot serve it.
+        """Make the sequence's tables hold `num_tokens` tokens in all (a new sequence
+        starts empty tables), after each window group gives back the blocks behind the
+        window of the first token this step computes (the first the tables do not hold
+        yet). All or nothing: False and no new block when the pool cannot serve it.
         """
-        table = self.tables.get(seq_id)
-        if table is None:
-            return self.admit([seq_id], [([], [])], num_tokens)
-        copies = table.append_slots(num_tokens)
-        if copies is None:
+        seq = self.tables.get(seq_id)
+        if seq is None:
+            return self.admit([seq_id], [CachedPrefix.empty(self.num_groups)], num_tokens)
+        for g, table in enumerate(seq.groups):
+            window = self.windows[g]
+            if window is not None:
+                dropped = table.drop_blocks_before(table.num_tokens - window + 1)
+                self.num_dropped_blocks += len(dropped)
+                if dropped and self.listener is not None:
+                    self.listener.on_dropped(seq_id, table, dropped, group=g)
+        needed = sum(t.blocks_needed(num_tokens) for t in seq.groups)
+        if needed > self.allocator.num_free_blocks:
             return False
-        self._pending_copies.extend(copies)
-        if self.listener is not None:
-            self.listener.on_grown(seq_id, table, copies)
+        for g, table in enumerate(seq.groups):
+            copies = table.append_slots(num_tokens)
+            if copies is None:
+                raise RuntimeError("a table could not grow though the pool had its blocks")
+            self._pending_copies.extend(copies)
+            if self.listener is not None:
+                self.listener.on_grown(seq_id, table, copies, group=g)
         return True
 
     def admit(
         self,
         seq_ids: Sequence[int],
-        cached: Sequence[tuple[list[int], list[bytes]]],
+        cached: Sequence[CachedPrefix],
         num_tokens: int,
         reserve_tokens: int = 0,
         keep_watermark: bool = False,
@@ -150,60 +256,77 @@ class KVCacheManager:
         """Start the tables of a group of new sequences (one request's samples or beams,
         readmitted after preemption) holding `num_tokens` tokens each; all or nothing.
 
-        Each may start from its prefix-cache hits (`cached`: blocks and their hashes) and
-        reserve blocks for `reserve_tokens` up front. Admissions keep the watermark free.
+        Each may start from its prefix-cache hit (`cached`) and reserve blocks for
+        `reserve_tokens` up front. Admissions keep the watermark free.
         """
         taken = [seq_id for seq_id in seq_ids if seq_id in self.tables]
         if taken:
             raise ValueError(f"sequences {taken} already have block tables")
         target = max(num_tokens, reserve_tokens)
+        null = self.null_block
         # Cache hits that sit in the free queue stop being free when taken.
-        from_free = {b for hits, _ in cached for b in hits if self.allocator.ref_count(b) == 0}
-        new_blocks = sum(max(0, self.blocks_for_tokens(target) - len(hits)) for hits, _ in cached)
+        from_free = {
+            b
+            for hit in cached
+            for table in hit.tables
+            for b in table
+            if b != null and self.allocator.ref_count(b) == 0
+        }
+        per_group = max(0, -(-target // self.block_size))
+        new_blocks = sum(max(0, per_group - hit.num_blocks) * self.num_groups for hit in cached)
         margin = self.watermark_blocks if keep_watermark else 0
         if new_blocks + len(from_free) + margin > self.num_free_blocks:
             return False
         # Take every hit before allocating any new block: an allocation must not evict a
         # block another sequence of the group is about to reuse.
-        for seq_id, (hits, hashes) in zip(seq_ids, cached, strict=True):
-            table = BlockTable(self.block_size, self.allocator)
-            for block, block_hash in zip(hits, hashes, strict=True):
-                info = self.allocator.cached_info(block)
-                if info is None or info.block_hash != block_hash:
-                    raise RuntimeError(f"block {block} is no longer the cached block asked for")
-                self.allocator.incref(block)
-            if hits:
-                table.add_cached_blocks(hits, hashes)
-            self.tables[seq_id] = table
+        for seq_id, hit in zip(seq_ids, cached, strict=True):
+            tables = []
+            for g, entries in enumerate(hit.tables):
+                table = BlockTable(self.block_size, self.allocator, null)
+                for block, block_hash in zip(entries, hit.hashes, strict=True):
+                    if block == null:
+                        continue
+                    info = self.allocator.cached_info(block)
+                    if info is None or info.block_hash != block_hash or info.group != g:
+                        raise RuntimeError(f"block {block} is no longer the cached block asked for")
+                    self.allocator.incref(block)
+                if entries:
+                    table.add_cached_blocks(list(entries), list(hit.hashes))
+                tables.append(table)
+            self.tables[seq_id] = SequenceBlocks(tables)
         for seq_id in seq_ids:
-            table = self.tables[seq_id]
-            if reserve_tokens:
-                table.reserve(reserve_tokens)
-            if table.append_slots(num_tokens):
-                raise RuntimeError("a new block table copied a block: it shares none to copy")
+            for table in self.tables[seq_id].groups:
+                if reserve_tokens:
+                    table.reserve(reserve_tokens)
+                if table.append_slots(num_tokens):
+                    raise RuntimeError("a new block table copied a block: it shares none to copy")
         if self.listener is not None:
-            for seq_id, (hits, _) in zip(seq_ids, cached, strict=True):
-                self.listener.on_admitted(seq_id, self.tables[seq_id], len(hits))
+            for seq_id, hit in zip(seq_ids, cached, strict=True):
+                for g, table in enumerate(self.tables[seq_id].groups):
+                    self.listener.on_admitted(seq_id, table, hit.num_blocks, group=g)
         return True
 
     def fork(self, parent_id: int, child_id: int) -> None:
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has a block table")
-        self.tables[child_id] = self.tables[parent_id].fork()
+        parent = self.tables[parent_id]
+        self.tables[child_id] = child = SequenceBlocks([t.fork() for t in parent.groups])
         if self.listener is not None:
-            self.listener.on_forked(parent_id, child_id, self.tables[child_id])
+            for g, table in enumerate(child.groups):
+                self.listener.on_forked(parent_id, child_id, table, group=g)
 
     def free(self, seq_id: int) -> None:
-        table = self.tables.pop(seq_id, None)
-        if table is None:
+        seq = self.tables.pop(seq_id, None)
+        if seq is None:
             return
         if self._pending_copies:
             # A copy into a block this sequence held would only write into a freed block.
-            gone = set(table.blocks)
+            gone = set(seq.blocks)
             self._pending_copies = [c for c in self._pending_copies if c[1] not in gone]
-        if self.listener is not None:
-            self.listener.on_freed(seq_id, table)
-        table.free()
+        for g, table in enumerate(seq.groups):
+            if self.listener is not None:
+                self.listener.on_freed(seq_id, table, group=g)
+            table.free()
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write block copies the worker must do before the next forward."""

@@ -5,7 +5,8 @@ is prefix-cached, each live table (its request, blocks and claimed slots), and, 
 from the tables, each block's fill and owners. `PoolState.of(manager)` reads a manager;
 `apply(event)` replays one event (kv/events.py), so replaying a run's events from the
 state it started in must give `PoolState.of` the manager at the end: the tests check
-exactly that, and the page's script replays the same way.
+exactly that, and the page's script replays the same way. Tables are keyed by
+(sequence, layer group); an entry given back behind a window is -1.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class PoolState:
         self.block_size = block_size
         self.ref = [0] * num_blocks
         self.cached = [False] * num_blocks
-        self.tables: dict[int, TableState] = {}
+        self.tables: dict[tuple[int, int], TableState] = {}  # (seq, group) -> table
 
     @classmethod
     def of(cls, kv: KVCacheManager, owners: Mapping[int, str] | None = None) -> PoolState:
@@ -41,9 +42,13 @@ class PoolState:
         alloc = kv.allocator
         state.ref = [alloc.ref_count(b) for b in range(kv.num_blocks)]
         state.cached = [alloc.cached_info(b) is not None for b in range(kv.num_blocks)]
+        null = kv.null_block
         state.tables = {
-            seq_id: TableState(owners.get(seq_id), list(t.blocks), t.num_tokens)
-            for seq_id, t in kv.tables.items()
+            (seq_id, g): TableState(
+                owners.get(seq_id), [-1 if b == null else b for b in t.blocks], t.num_tokens
+            )
+            for seq_id, seq in kv.tables.items()
+            for g, t in enumerate(seq.groups)
         }
         return state
 
@@ -54,7 +59,9 @@ class PoolState:
         state.ref = [int(r) for r in data["ref"]]
         state.cached = [bool(c) for c in data["cached"]]
         state.tables = {
-            int(t["seq"]): TableState(t["req"], [int(b) for b in t["blocks"]], int(t["tokens"]))
+            (int(t["seq"]), int(t.get("g", 0))): TableState(
+                t["req"], [int(b) for b in t["blocks"]], int(t["tokens"])
+            )
             for t in data["seqs"]
         }
         return state
@@ -63,37 +70,42 @@ class PoolState:
     def apply(self, event: Event) -> None:
         """Replay one event (see kv/events.py for what each kind means)."""
         kind = event["k"]
+        key = (event.get("seq"), event.get("g", 0))
         if kind == "alloc":
-            table = self.tables.setdefault(event["seq"], TableState(event.get("req")))
+            table = self.tables.setdefault(key, TableState(event.get("req")))
             for block in event["blocks"]:
                 self.ref[block] = 1
             table.blocks.extend(event["blocks"])
             table.tokens = event["tokens"]
         elif kind == "append":
-            self.tables[event["seq"]].tokens = event["tokens"]
+            self.tables[key].tokens = event["tokens"]
         elif kind == "hit":
             blocks = list(event["blocks"])
             for block in blocks:
-                self.ref[block] += 1
-            self.tables[event["seq"]] = TableState(
-                event.get("req"), blocks, len(blocks) * self.block_size
-            )
+                if block >= 0:
+                    self.ref[block] += 1
+            self.tables[key] = TableState(event.get("req"), blocks, len(blocks) * self.block_size)
         elif kind == "cow":
-            table = self.tables[event["seq"]]
+            table = self.tables[key]
             self.ref[event["src"]] -= 1
             self.ref[event["dst"]] = 1
             table.blocks[event["index"]] = event["dst"]
         elif kind == "fork":
-            parent = self.tables[event["parent"]]
+            parent = self.tables[event["parent"], key[1]]
             for block in parent.blocks:
-                self.ref[block] += 1
-            self.tables[event["seq"]] = TableState(
-                event.get("req"), list(parent.blocks), parent.tokens
-            )
+                if block >= 0:
+                    self.ref[block] += 1
+            self.tables[key] = TableState(event.get("req"), list(parent.blocks), parent.tokens)
         elif kind == "free":
-            table = self.tables.pop(event["seq"])
+            table = self.tables.pop(key)
             for block in table.blocks:
+                if block >= 0:
+                    self.ref[block] -= 1
+        elif kind == "drop":
+            table = self.tables[key]
+            for block in event["blocks"]:
                 self.ref[block] -= 1
+            table.blocks[: event["upto"]] = [-1] * event["upto"]
         elif kind == "cache":
             self.cached[event["block"]] = True
         elif kind == "evict":
@@ -116,7 +128,7 @@ class PoolState:
         for table in self.tables.values():
             for i, block in enumerate(table.blocks):
                 n = min(bs, max(0, table.tokens - i * bs))
-                if n > filled[block]:
+                if block >= 0 and n > filled[block]:
                     filled[block] = n
         return filled
 
@@ -127,7 +139,7 @@ class PoolState:
             if table.req is None:
                 continue
             for block in table.blocks:
-                if table.req not in owners[block]:
+                if block >= 0 and table.req not in owners[block]:
                     owners[block].append(table.req)
         return owners
 
@@ -142,8 +154,14 @@ class PoolState:
             "fill": self.fill(),
             "owners": self.owners(),
             "seqs": [
-                {"seq": seq_id, "req": t.req, "blocks": list(t.blocks), "tokens": t.tokens}
-                for seq_id, t in sorted(self.tables.items())
+                {
+                    "seq": seq_id,
+                    "req": t.req,
+                    **({"g": g} if g else {}),
+                    "blocks": list(t.blocks),
+                    "tokens": t.tokens,
+                }
+                for (seq_id, g), t in sorted(self.tables.items())
             ],
         }
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.backends import AttentionBackend
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata, GroupedAttentionMetadata
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layer_ops import TorchLayerOps
@@ -193,15 +193,18 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | GroupedAttentionMetadata,
     ) -> torch.Tensor:
+        """`attn_metadata`: one for every layer, or one per KV layer group (each layer
+        reads its group's block tables)."""
         embed = F.embedding if self.parallel is None else self.parallel.embed
         hidden, residual = embed(input_ids, self.embed_tokens), None
         if self.config.embedding_scale is not None:
             hidden = hidden * self.embed_scale.to(hidden.dtype)
-        plan = self.attention.prepare(attn_metadata)  # once for every layer
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, kv_cache, plan)
+        grouped = GroupedAttentionMetadata.of(attn_metadata, len(self.layers))
+        plans = [self.attention.prepare(m) for m in grouped.groups]  # once for its layers
+        for layer, kv_cache, g in zip(self.layers, kv_caches, grouped.layer_group, strict=True):
+            hidden, residual = layer(hidden, residual, positions, kv_cache, plans[g])
         if residual is None:  # no layer ran: __init__ refuses such a model
             raise RuntimeError("the model ran no decoder layer")
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)

@@ -37,7 +37,13 @@ class FakeModelRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.kv_bytes_per_token
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def init_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layer_groups: tuple[tuple[int, ...], ...] | None = None,
+        null_block: bool = False,
+    ) -> None:
         pass  # no K/V to hold
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:

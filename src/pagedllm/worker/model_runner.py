@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pagedllm.attention.backends import AttentionBackend, select_attention
-from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.attention.metadata import build_grouped_metadata
 from pagedllm.attention.timed import TimedAttention
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.errors import KernelUnavailableError
@@ -87,6 +87,8 @@ class TorchModelRunner:
             vocab_size=loaded.config.vocab_size,
             max_position_embeddings=loaded.config.max_position_embeddings,
             eos_token_ids=loaded.config.eos_token_ids,
+            num_layers=cfg.num_hidden_layers,
+            layer_windows=cfg.layer_windows,
         )
         self.kv_cache: PagedKVCache | None = None
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(options.seed))
@@ -118,9 +120,21 @@ class TorchModelRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def init_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layer_groups: tuple[tuple[int, ...], ...] | None = None,
+        null_block: bool = False,
+    ) -> None:
         self.kv_cache = PagedKVCache(
-            self.model_config, num_blocks, block_size, dtype=self.kv_dtype, device=self.device
+            self.model_config,
+            num_blocks,
+            block_size,
+            dtype=self.kv_dtype,
+            device=self.device,
+            layer_groups=layer_groups,
+            null_block=null_block,
         )
 
     @torch.inference_mode()
@@ -144,7 +158,7 @@ class TorchModelRunner:
             list(itertools.chain.from_iterable(s.token_ids for s in seqs)),
             start_positions=[s.start_pos for s in seqs],
             query_lens=[len(s.token_ids) for s in seqs],
-            block_tables=[s.block_table for s in seqs],
+            block_tables=[s.block_tables for s in seqs],
             logits_seq_indices=[i for i, s in enumerate(seqs) if s.needs_logits],
         )
         return self.model.compute_logits(hidden[rows])
@@ -158,11 +172,11 @@ class TorchModelRunner:
         cache = PagedKVCache(
             self.model_config, num_blocks, SCRATCH_BLOCK_SIZE, self.kv_dtype, self.device
         )
-        table = list(range(num_blocks))
+        tables = [list(range(num_blocks))]  # one group: every layer allocated in full
         out = []
         for start in range(0, len(token_ids), chunk):
             ids = list(token_ids[start : start + chunk])
-            hidden, _ = self._run_tokens(cache, ids, [start], [len(ids)], [table], [0])
+            hidden, _ = self._run_tokens(cache, ids, [start], [len(ids)], [tables], [0])
             out.append(self.model.compute_logits(hidden))  # every row's, not just the last
         return torch.cat(out)
 
@@ -172,17 +186,19 @@ class TorchModelRunner:
         token_ids: list[int],
         start_positions: Sequence[int],
         query_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[Sequence[int]]],
         logits_seq_indices: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a flat batch through `cache`: the final hidden states, and the
-        rows of the sequences whose logits are asked for."""
-        meta = build_attention_metadata(
+        rows of the sequences whose logits are asked for. `block_tables[i][g]`: sequence
+        i's block table of the cache's layer group g."""
+        meta = build_grouped_metadata(
             start_positions,
             query_lens,
             block_tables,
             logits_seq_indices,
             cache.block_size,
+            cache.layer_group,
             device=self.device,
             dtype=self.dtype,
         )

@@ -24,6 +24,9 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
+    num_layers: int = 1
+    # Each layer's attention window in tokens (None: full attention); None: all full.
+    layer_windows: tuple[int | None, ...] | None = None
 
 
 class TokenMask(Protocol):
@@ -69,8 +72,17 @@ class ModelRunner(Protocol):
         """Bytes one KV block of `block_size` tokens takes on this runner."""
         ...
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the KV pool, once, before the first step."""
+    def init_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layer_groups: tuple[tuple[int, ...], ...] | None = None,
+        null_block: bool = False,
+    ) -> None:
+        """Allocate the KV pool, once, before the first step: `num_blocks` blocks each
+        holding the K/V of one layer group (`layer_groups[g]`: the layers of group g, all
+        of one size; None: one group of every layer), plus one more, the null block that
+        tables name behind a window, with `null_block`."""
         ...
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:

@@ -82,7 +82,13 @@ class TensorParallelRunner:
         check_tensor_parallel(loaded.config, size)
         backend = backend_for(options.device, size)
         cfg = loaded.config
-        self.spec = ModelSpec(cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_ids)
+        self.spec = ModelSpec(
+            cfg.vocab_size,
+            cfg.max_position_embeddings,
+            cfg.eos_token_ids,
+            num_layers=cfg.num_hidden_layers,
+            layer_windows=cfg.layer_windows,
+        )
         self._threads = torch.get_num_threads()
         self._failure: str | None = None
         self.group: TPGroup
@@ -162,8 +168,14 @@ class TensorParallelRunner:
         """Bytes of one block on each rank (its KV heads' share)."""
         return self.local.kv_bytes_per_block(block_size)
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self._call("init_kv_cache", num_blocks, block_size)
+    def init_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layer_groups: tuple[tuple[int, ...], ...] | None = None,
+        null_block: bool = False,
+    ) -> None:
+        self._call("init_kv_cache", num_blocks, block_size, layer_groups, null_block)
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
         # The workers draw no rows: the driver alone samples, from the gathered logits.

@@ -4,7 +4,9 @@ page expects, so that a crafted or damaged file is refused with the field named
 
 `load_trace` (engine/kv_trace.py) checks the file's format and version; this checks the
 contents: the start snapshot's pool and figures, each record's step and figures, and
-each event's fields by kind (kv/events.py). Block ids must lie in the pool.
+each event's fields by kind (kv/events.py). Block ids must lie in the pool; a table's
+entries may also be -1 (the null block behind a sliding window), and table events of a
+layer group other than the first carry its index `g`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any
 _EVENT_FIELDS: dict[str, dict[str, str]] = {
     "alloc": {"seq": "id", "req": "req", "blocks": "blocks", "tokens": "count"},
     "append": {"seq": "id", "req": "req", "tokens": "count"},
-    "hit": {"seq": "id", "req": "req", "blocks": "blocks"},
+    "hit": {"seq": "id", "req": "req", "blocks": "entries"},
     "cow": {"seq": "id", "req": "req", "index": "count", "src": "block", "dst": "block"},
     "fork": {"seq": "id", "req": "req", "parent": "id"},
-    "free": {"seq": "id", "req": "req", "blocks": "blocks"},
+    "free": {"seq": "id", "req": "req", "blocks": "entries"},
+    "drop": {"seq": "id", "req": "req", "upto": "count", "blocks": "blocks"},
     "cache": {"block": "block"},
     "evict": {"block": "block"},
     "reset": {},
@@ -52,6 +55,12 @@ class _Checker:
         for i, block in enumerate(_list(value, where)):
             self.block(block, f"{where}[{i}]")
 
+    def entries(self, value: Any, where: str) -> None:
+        """A table's entries: block ids, or -1 for the null block."""
+        for i, block in enumerate(_list(value, where)):
+            if block != -1:
+                self.block(block, f"{where}[{i}]")
+
     def req(self, value: Any, where: str) -> None:
         if value is not None and not isinstance(value, str):
             raise ValueError(f"{where} must be a request id (a string), got {_show(value)}")
@@ -76,6 +85,8 @@ class _Checker:
             if name not in event and rule != "req":
                 raise ValueError(f"{where}.{name} is missing (a {kind} event needs it)")
             getattr(self, rule)(event.get(name), f"{where}.{name}")
+        if "g" in event:
+            self.count(event["g"], f"{where}.g")
 
 
 def check_trace(trace: Mapping[str, Any]) -> None:
@@ -98,8 +109,10 @@ def check_trace(trace: Mapping[str, Any]) -> None:
         _dict(seq, where)
         c.id(seq.get("seq"), f"{where}.seq")
         c.req(seq.get("req"), f"{where}.req")
-        c.blocks(seq.get("blocks"), f"{where}.blocks")
+        c.entries(seq.get("blocks"), f"{where}.blocks")
         c.count(seq.get("tokens"), f"{where}.tokens")
+        if "g" in seq:
+            c.count(seq["g"], f"{where}.g")
     c.count(start.get("step"), "start.step")
     c.figures(start.get("st"), "start.st")
     for block, text in _dict(start.get("text", {}), "start.text").items():

@@ -22,6 +22,11 @@
   }
 
   // ------------------------------------------------------------------ the pool
+  // The key of a sequence's table in layer group g (kv/events.py): its id for group 0.
+  function tableKey(seq, g) {
+    return g ? `${seq}/${g}` : seq;
+  }
+
   class Pool {
     constructor(numBlocks, blockSize) {
       this.n = numBlocks;
@@ -41,8 +46,9 @@
       p.ref.set(pool.ref);
       p.cached.set(pool.cached);
       for (const s of pool.seqs) {
-        p.seqs.set(s.seq, { req: s.req, blocks: s.blocks.slice(), tokens: s.tokens });
-        s.blocks.forEach((b, i) => p.holders[b].push([s.seq, i]));
+        const key = tableKey(s.seq, s.g);
+        p.seqs.set(key, { req: s.req, blocks: s.blocks.slice(), tokens: s.tokens });
+        s.blocks.forEach((b, i) => { if (b >= 0) p.holders[b].push([key, i]); });
       }
       for (const [b, t] of Object.entries(text || {})) p.text.set(+b, t);
       for (let b = 0; b < p.n; b++) p.dirty.add(b);
@@ -65,7 +71,7 @@
       const s = this.seqs.get(seq);
       const lo = Math.floor(from / this.bs);
       const hi = Math.min(s.blocks.length, Math.ceil(to / this.bs));
-      for (let i = Math.max(0, lo - 1); i < hi; i++) this.dirty.add(s.blocks[i]);
+      for (let i = Math.max(0, lo - 1); i < hi; i++) if (s.blocks[i] >= 0) this.dirty.add(s.blocks[i]);
     }
 
     unhold(block, seq) {
@@ -75,7 +81,10 @@
       this.dirty.add(block);
     }
 
-    apply(e) {
+    apply(ev) {
+      // A table is one sequence's in one layer group: group 0 keeps the sequence's id.
+      const e = ev.seq === undefined ? ev : Object.assign({}, ev, { seq: tableKey(ev.seq, ev.g) });
+      if (e.parent !== undefined) e.parent = tableKey(ev.parent, ev.g);
       switch (e.k) {
         case "alloc": {
           let s = this.seqs.get(e.seq);
@@ -101,6 +110,7 @@
         case "hit": {
           this.seqs.set(e.seq, { req: e.req, blocks: e.blocks.slice(), tokens: e.blocks.length * this.bs });
           e.blocks.forEach((b, i) => {
+            if (b < 0) return; // the null block, behind a window
             this.ref[b] += 1;
             this.holders[b].push([e.seq, i]);
             this.dirty.add(b);
@@ -125,6 +135,7 @@
           const parent = this.seqs.get(e.parent);
           this.seqs.set(e.seq, { req: e.req, blocks: parent.blocks.slice(), tokens: parent.tokens });
           parent.blocks.forEach((b, i) => {
+            if (b < 0) return;
             this.ref[b] += 1;
             this.holders[b].push([e.seq, i]);
             this.flash.set(b, "fork");
@@ -135,10 +146,20 @@
           const s = this.seqs.get(e.seq);
           if (!s) break;
           for (const b of s.blocks) {
+            if (b < 0) continue;
             this.ref[b] -= 1;
             this.unhold(b, e.seq);
           }
           this.seqs.delete(e.seq);
+          break;
+        }
+        case "drop": { // a window group gave back its blocks behind the window
+          const s = this.seqs.get(e.seq);
+          for (const b of e.blocks) {
+            this.ref[b] -= 1;
+            this.unhold(b, e.seq);
+          }
+          for (let i = 0; i < e.upto; i++) s.blocks[i] = -1;
           break;
         }
         case "cache": this.cached[e.block] = 1; break;
@@ -170,7 +191,7 @@
         let r = reqs.get(key);
         if (!r) reqs.set(key, (r = { id: key, seqs: [], blocks: new Set(), tokens: 0 }));
         r.seqs.push(seq);
-        s.blocks.forEach((b) => r.blocks.add(b));
+        s.blocks.forEach((b) => { if (b >= 0) r.blocks.add(b); });
         r.tokens = Math.max(r.tokens, s.tokens);
       }
       return reqs;
@@ -328,7 +349,8 @@
     const sel = view.selected;
     const seqs = [];
     for (const [id, s] of pool.seqs) if (s.req === sel) seqs.push([id, s]);
-    seqs.sort((a, b) => a[0] - b[0]);
+    const order = (k) => parseFloat(String(k).replace("/", ".")); // "3/1": seq 3, group 1
+    seqs.sort((a, b) => order(a[0]) - order(b[0]));
     const width = canvas.parentElement.clientWidth;
     const rowH = 30;
     const height = seqs.length ? 28 + seqs.length * rowH + 86 + 56 : 60;
@@ -348,7 +370,7 @@
     const avail = width - left - 8;
     const maxLen = Math.max(...seqs.map(([, s]) => s.blocks.length));
     const bw = Math.max(3, Math.min(46, avail / maxLen));
-    const phys = [...new Set(seqs.flatMap(([, s]) => s.blocks))].sort((a, b) => a - b);
+    const phys = [...new Set(seqs.flatMap(([, s]) => s.blocks.filter((b) => b >= 0)))].sort((a, b) => a - b);
     const pw = Math.max(3, Math.min(46, avail / phys.length));
     const physY = 28 + seqs.length * rowH + 86;
     const physX = new Map(phys.map((b, i) => [b, left + i * pw]));
@@ -363,6 +385,7 @@
       ctx.strokeStyle = `hsla(${(hue(sel) + r * 41) % 360}, 75%, 66%, 0.6)`;
       ctx.lineWidth = 1.2;
       s.blocks.forEach((b, i) => {
+        if (b < 0) return; // behind a window: no block
         const x0 = left + i * bw + bw / 2;
         const x1 = physX.get(b) + pw / 2;
         ctx.beginPath();
@@ -377,6 +400,7 @@
       ctx.fillStyle = "#d8dee9";
       ctx.fillText(`seq ${id}`, 8, y + 11);
       s.blocks.forEach((b, i) => {
+        if (b < 0) return;
         const x = left + i * bw;
         const f = Math.min(pool.bs, Math.max(0, s.tokens - i * pool.bs)) / pool.bs;
         ctx.fillStyle = col(sel, 22);

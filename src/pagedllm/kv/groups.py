@@ -1,0 +1,105 @@
+"""Layer groups: which layers share one block table, and how many blocks a group holds.
+
+Layers are grouped by attention kind (full attention, or a sliding window of W tokens).
+All groups draw on one pool with one page size, so every group has the same number of
+layers (`group_size`, the gcd of the per-kind layer counts): a kind with more layers is
+split into several groups. Physical block b then holds K/V of `group_size` layers, and
+layer `groups[g].layers[j]` keeps its K/V in slot j of the blocks group g's tables name.
+A model of one kind (or the hybrid manager switched off) is one group of every layer;
+its window, if every layer has the same one, still lets the group drop old blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """One group: the layers sharing a block table, and their window (None: full)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (
+            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
+        ):
+            raise ValueError(f"a group's window must be None or >= 1 token, got {self.window!r}")
+        if not self.layers:
+            raise ValueError("a layer group needs at least one layer")
+        if len(set(self.layers)) != len(self.layers) or min(self.layers) < 0:
+            raise ValueError(f"a group's layers must be distinct indices >= 0, got {self.layers}")
+
+    def blocks_held(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """Blocks the group holds at most for a sequence of `num_tokens` tokens computed
+        `chunk` tokens a step: all of them under full attention; with a window, those
+        covering the window of the chunk's first token through the chunk's end."""
+        every = -(-num_tokens // block_size)
+        if self.window is None:
+            return every
+        # Keys from s - W + 1 to s + chunk - 1 for a chunk at s: W - 1 + chunk tokens,
+        # which may start anywhere in a block.
+        return min(every, -(-(self.window - 1 + chunk) // block_size) + 1)
+
+
+def group_layers(
+    layer_windows: Sequence[int | None] | None, num_layers: int, hybrid: bool = True
+) -> tuple[KVGroupSpec, ...]:
+    """The layer groups of a model whose layer i has window `layer_windows[i]` (None: no
+    per-layer windows, every layer full). Full attention first, then each window kind by
+    its first layer. `hybrid=False`: one group of every layer, allocated as full
+    attention (the layers still compute over their own windows)."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
+    if len(windows) != num_layers:
+        raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
+    if not hybrid:
+        return (KVGroupSpec(None, tuple(range(num_layers))),)
+    kinds: dict[int | None, list[int]] = {}
+    if None in windows:
+        kinds[None] = []
+    for layer, window in enumerate(windows):
+        kinds.setdefault(window, []).append(layer)
+    size = math.gcd(*(len(layers) for layers in kinds.values()))
+    return tuple(
+        KVGroupSpec(window, tuple(layers[i : i + size]))
+        for window, layers in kinds.items()
+        for i in range(0, len(layers), size)
+    )
+
+
+def group_size(groups: Sequence[KVGroupSpec]) -> int:
+    """Layers per group (the same for every group: one page size)."""
+    sizes = {len(g.layers) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"every layer group must have the same number of layers, got {sizes}")
+    return sizes.pop()
+
+
+def has_window(groups: Sequence[KVGroupSpec]) -> bool:
+    """Whether some group drops blocks behind a window (and so needs the null block)."""
+    return any(g.window is not None for g in groups)
+
+
+def layer_slots(groups: Sequence[KVGroupSpec]) -> dict[int, tuple[int, int]]:
+    """layer -> (its group, its slot within the group's blocks)."""
+    return {layer: (g, j) for g, spec in enumerate(groups) for j, layer in enumerate(spec.layers)}
+
+
+def kv_bytes_per_sequence(
+    groups: Sequence[KVGroupSpec],
+    num_tokens: int,
+    block_size: int,
+    layer_token_bytes: int,
+    chunk: int | None = None,
+) -> int:
+    """Bytes of K/V one sequence of `num_tokens` tokens holds at most, computed `chunk`
+    tokens a step (default: one token, a decode), at `layer_token_bytes` bytes of K and V
+    per token and layer."""
+    chunk = 1 if chunk is None else chunk
+    blocks = sum(g.blocks_held(num_tokens, block_size, chunk) for g in groups)
+    return blocks * block_size * group_size(groups) * layer_token_bytes
