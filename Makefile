@@ -25,7 +25,7 @@ run: $(STAMP)
 		"What is the capital of France?" "Name the largest planet in the solar system."
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

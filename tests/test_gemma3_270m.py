@@ -130,12 +130,13 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_greedy_equals_transformers_batched_chunked_and_preempted(gemma, prompts, oracle) -> None:
-    # 128-token chunks, and a pool of 50 blocks of 16 (800 tokens) for two sequences
-    # of ~540-610 tokens: the scheduler must preempt.
+    # 128-token chunks, and a pool of 300 blocks of 16 tokens over the 6 layer groups (1
+    # full, 5 windowed): one sequence of ~540-610 tokens holds up to ~245 of them, so two
+    # cannot run at once and the scheduler must preempt.
     llm = LLM(
         loaded=gemma,
         block_size=16,
-        num_kv_blocks=50,
+        num_kv_blocks=300,
         max_model_len=640,
         max_num_batched_tokens=128,
         watermark=0.0,
