@@ -1,12 +1,13 @@
 """EngineStats: running figures of an engine, a step listener every engine has.
 
 Counts tokens and steps, and keeps the snapshot of every step as it ran, so a run can
-report peak blocks in use, time-averaged utilisation and batch size.
+report peak blocks in use, time-averaged utilisation and batch size; with speculative
+decoding, how many proposed tokens the model accepted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.listeners import StepListener
@@ -23,6 +24,18 @@ class EngineStats(StepListener):
         self.last: EngineSnapshot | None = None  # the latest step, as it ran
         self._util_sum = 0.0
         self._running_sum = 0
+        self.spec_checks = 0  # sequence-steps that checked proposed tokens
+        self.spec_proposed_tokens = 0
+        self.spec_accepted_tokens = 0
+
+    def note_speculation(self, step: SchedulerOutput, accepted: Mapping[str, list[int]]) -> None:
+        """A step checked the proposals of `step`'s speculating sequences; `accepted`:
+        the ones each request kept."""
+        for s in step.seqs:
+            if s.draft_token_ids and s.request_id in accepted:
+                self.spec_checks += 1
+                self.spec_proposed_tokens += len(s.draft_token_ids)
+                self.spec_accepted_tokens += len(accepted[s.request_id])
 
     def on_step_end(
         self, step: SchedulerOutput, outputs: Sequence[RequestOutput], ran: EngineSnapshot
@@ -43,3 +56,18 @@ class EngineStats(StepListener):
     @property
     def mean_running_seqs(self) -> float:
         return self._running_sum / self.steps if self.steps else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Proposed tokens the model accepted / proposed tokens (0 with none proposed)."""
+        if not self.spec_proposed_tokens:
+            return 0.0
+        return self.spec_accepted_tokens / self.spec_proposed_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a speculating sequence gained per step that checked its proposals: the
+        accepted ones plus the model's own (vLLM's mean acceptance length; 0 with none)."""
+        if not self.spec_checks:
+            return 0.0
+        return 1 + self.spec_accepted_tokens / self.spec_checks

@@ -1,0 +1,75 @@
+"""Speculation: which requests propose tokens before a step, and what they kept after.
+
+Before each step, every running request that decodes one sequence (n = 1, no best_of, no
+beam search, no grammar: proposals are not checked against a grammar) gets up to k tokens
+from the n-gram proposer (spec/ngram.py), capped so that its accepted tokens plus the
+model's own cannot pass max_tokens or max_model_len. Nothing is proposed while as many
+sequences as `disable_by_batch_size` or more are running. After the step, the runner's
+`accepted` tokens say how far each such request's K/V counts as computed.
+Plain bookkeeping: no torch.
+"""
+
+from __future__ import annotations
+
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import Request, RequestStatus
+from pagedllm.engine.grammars import Grammars
+from pagedllm.engine.step_rows import StepRows
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec.config import SpeculativeConfig
+from pagedllm.spec.ngram import NgramProposer
+from pagedllm.worker.runner import SampledTokens
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, grammars: Grammars) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"speculative method {config.method!r} is not available")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.grammars = grammars
+        self.proposer = NgramProposer(
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.num_speculative_tokens,
+            max_model_len,
+        )
+
+    def propose(self, scheduler: Scheduler) -> None:
+        """Set `draft_token_ids` of each running request that speculates this step."""
+        if not self.config.speculates_at(scheduler.num_running_seqs):
+            return
+        for req in scheduler.running:
+            room = self._room(req)
+            if room > 0:
+                req.draft_token_ids = self.proposer.propose(req.seqs[0].token_ids)[:room]
+
+    def _room(self, req: Request) -> int:
+        """How many tokens `req` may propose now: 0 unless it decodes one sequence."""
+        params = req.params
+        if (
+            req.status is not RequestStatus.RUNNING
+            or not isinstance(params, SamplingParams)
+            or params.num_seqs != 1
+            or len(req.seqs) != 1
+            or req.num_tokens - req.num_computed_tokens != 1
+        ):
+            return 0
+        seq = req.seqs[0]
+        if self.grammars.get(seq.seq_id) is not None:
+            return 0
+        # k kept proposals and the model's own token must all fit: k + 1 new tokens.
+        room = self.max_model_len - seq.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        return room
+
+    @staticmethod
+    def accepted(rows: StepRows, sampled: SampledTokens) -> dict[str, list[int]]:
+        """Request id -> the proposals its row kept, for each request that checked some
+        (a row that failed keeps none)."""
+        out: dict[str, list[int]] = {}
+        for request_id, i in rows.drafts.items():
+            kept = sampled.accepted.get(i)
+            out[request_id] = list(kept.token_ids) if kept is not None else []
+        return out
