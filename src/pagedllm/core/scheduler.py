@@ -389,6 +389,7 @@ class Scheduler:
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1

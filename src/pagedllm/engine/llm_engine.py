@@ -254,7 +254,10 @@ class LLMEngine:
     def snapshot(self, tables: bool = False, cached_hashes: bool = False) -> EngineSnapshot:
         """The engine's figures now; `tables`: with every running sequence's block table;
         `cached_hashes`: with the hashes of the prefix cache's blocks."""
-        return take_snapshot(self.scheduler, self.kv, self.num_steps, tables, cached_hashes)
+        spec = self.speculation.counts if self.speculation is not None else (0, 0, 0)
+        return take_snapshot(
+            self.scheduler, self.kv, self.num_steps, tables, cached_hashes, speculation=spec
+        )
 
     def add_listener(self, listener: StepListener) -> Callable[[], None]:
         """Call `listener` at every step from now on; returns the call that removes it."""
@@ -318,8 +321,7 @@ class LLMEngine:
             return self._forward_failed(step, rows, exc)
         accepted: dict[str, list[int]] = {}
         if self.speculation is not None:
-            accepted = self.speculation.accepted(rows, sampled)
-            self.stats.note_speculation(step, accepted)
+            accepted = self.speculation.accepted(step, rows, sampled)
         self.scheduler.update_from_output(step, accepted)
         # Forked once the prompt's blocks are hashed: the samples inherit the hashes
         # instead of hashing the prompt again each.

@@ -11,7 +11,7 @@ Plain bookkeeping: no torch.
 
 from __future__ import annotations
 
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.sequence import Request, RequestStatus
 from pagedllm.engine.grammars import Grammars
 from pagedllm.engine.step_rows import StepRows
@@ -34,15 +34,23 @@ class Speculation:
             config.num_speculative_tokens,
             max_model_len,
         )
+        self.num_checks = 0  # sequence-steps that checked proposals
+        self.num_proposed = 0
+        self.num_accepted = 0
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """(checks, proposed tokens, accepted tokens) so far, for the snapshot."""
+        return self.num_checks, self.num_proposed, self.num_accepted
 
     def propose(self, scheduler: Scheduler) -> None:
-        """Set `draft_token_ids` of each running request that speculates this step."""
-        if not self.config.speculates_at(scheduler.num_running_seqs):
-            return
+        """Set `draft_token_ids` of each running request: its proposals this step, or
+        none."""
+        speculates = self.config.speculates_at(scheduler.num_running_seqs)
         for req in scheduler.running:
-            room = self._room(req)
-            if room > 0:
-                req.draft_token_ids = self.proposer.propose(req.seqs[0].token_ids)[:room]
+            room = self._room(req) if speculates else 0
+            draft = self.proposer.propose(req.seqs[0].token_ids)[:room] if room > 0 else []
+            req.draft_token_ids = draft
 
     def _room(self, req: Request) -> int:
         """How many tokens `req` may propose now: 0 unless it decodes one sequence."""
@@ -64,12 +72,18 @@ class Speculation:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         return room
 
-    @staticmethod
-    def accepted(rows: StepRows, sampled: SampledTokens) -> dict[str, list[int]]:
+    def accepted(
+        self, step: SchedulerOutput, rows: StepRows, sampled: SampledTokens
+    ) -> dict[str, list[int]]:
         """Request id -> the proposals its row kept, for each request that checked some
-        (a row that failed keeps none)."""
+        (a row that failed keeps none); counted for the acceptance figures."""
         out: dict[str, list[int]] = {}
         for request_id, i in rows.drafts.items():
             kept = sampled.accepted.get(i)
             out[request_id] = list(kept.token_ids) if kept is not None else []
+        for s in step.seqs:
+            if s.draft_token_ids and s.request_id in out:
+                self.num_checks += 1
+                self.num_proposed += len(s.draft_token_ids)
+                self.num_accepted += len(out[s.request_id])
         return out

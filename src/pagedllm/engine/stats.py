@@ -7,7 +7,7 @@ decoding, how many proposed tokens the model accepted.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.listeners import StepListener
@@ -24,18 +24,6 @@ class EngineStats(StepListener):
         self.last: EngineSnapshot | None = None  # the latest step, as it ran
         self._util_sum = 0.0
         self._running_sum = 0
-        self.spec_checks = 0  # sequence-steps that checked proposed tokens
-        self.spec_proposed_tokens = 0
-        self.spec_accepted_tokens = 0
-
-    def note_speculation(self, step: SchedulerOutput, accepted: Mapping[str, list[int]]) -> None:
-        """A step checked the proposals of `step`'s speculating sequences; `accepted`:
-        the ones each request kept."""
-        for s in step.seqs:
-            if s.draft_token_ids and s.request_id in accepted:
-                self.spec_checks += 1
-                self.spec_proposed_tokens += len(s.draft_token_ids)
-                self.spec_accepted_tokens += len(accepted[s.request_id])
 
     def on_step_end(
         self, step: SchedulerOutput, outputs: Sequence[RequestOutput], ran: EngineSnapshot
@@ -59,15 +47,10 @@ class EngineStats(StepListener):
 
     @property
     def spec_acceptance_rate(self) -> float:
-        """Proposed tokens the model accepted / proposed tokens (0 with none proposed)."""
-        if not self.spec_proposed_tokens:
-            return 0.0
-        return self.spec_accepted_tokens / self.spec_proposed_tokens
+        """Proposed tokens the model accepted / proposed tokens, so far (0 with none)."""
+        return self.last.spec_acceptance_rate if self.last is not None else 0.0
 
     @property
     def spec_mean_accepted_length(self) -> float:
-        """Tokens a speculating sequence gained per step that checked its proposals: the
-        accepted ones plus the model's own (vLLM's mean acceptance length; 0 with none)."""
-        if not self.spec_checks:
-            return 0.0
-        return 1 + self.spec_accepted_tokens / self.spec_checks
+        """Tokens a speculating sequence gained per checking step, its own included."""
+        return self.last.spec_mean_accepted_length if self.last is not None else 0.0

@@ -30,12 +30,12 @@ from pagedllm.model.layer_ops import CompiledLayerOps, TorchLayerOps
 from pagedllm.model.linear import Int8Linear, choose_int8_gemm, observe_inputs
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.parallel import ParallelContext
-from pagedllm.spec.verify import SpecVerifier
 from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 from pagedllm.worker.sampler import Sampler
 from pagedllm.worker.spec_sampling import draw_with_proposals
+from pagedllm.worker.spec_verify import SpecVerifier
 
 logger = logging.getLogger("pagedllm")
 CALIBRATION_TEXT = Path(__file__).parents[1] / "model" / "data" / "calibration.txt"

@@ -54,7 +54,7 @@ class SampleRow:
     grammar: TokenMask | None = None  # structured output: only its allowed tokens are drawn
     # Speculative decoding: the proposed tokens this row checks. Its logits are then the
     # k+1 rows from logits_row on; the runner keeps the proposals the model agrees with
-    # (spec/verify.py) and draws one token of its own after them.
+    # (worker/spec_verify.py) and draws one token of its own after them.
     draft_token_ids: tuple[int, ...] = ()
     num_output_tokens: int = 0  # output tokens before this step (min_tokens per position)
 

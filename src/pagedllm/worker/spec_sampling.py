@@ -1,7 +1,7 @@
 """Drawing a step's tokens when some rows check proposed tokens (speculative decoding).
 
 Rows without proposals go through the sampler exactly as in a step without speculation;
-rows with proposals go through the verifier (spec/verify.py), which keeps the proposals
+rows with proposals go through the verifier (worker/spec_verify.py), which keeps the proposals
 the model agrees with and draws one token of its own after them. Both draw from a
 seeded row's own generator, so a seeded request's tokens do not depend on the batch.
 The result is one SampledTokens: each row's own token where it always is, and the kept
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.spec.verify import SpecRow, SpecVerifier
 from pagedllm.worker.runner import AcceptedDrafts, SampledTokens, SampleRow
 from pagedllm.worker.sampler import Sampler
+from pagedllm.worker.spec_verify import SpecRow, SpecVerifier
 
 
 def draw_with_proposals(
