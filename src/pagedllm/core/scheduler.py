@@ -260,7 +260,8 @@ class Scheduler:
             if chunk <= 0:
                 continue
             if draft and chunk == 1 and k == 1 and req.num_computed_tokens + 1 == req.num_tokens:
-                # Lookahead slots only from free blocks: a proposal never preempts.
+                # Lookahead slots from free blocks only: when the pool cannot hold them the
+                # request decodes one token (its proposals preempt nobody).
                 draft = draft[: budget - 1]
                 if draft and self._allocate(req, req.num_tokens + len(draft)):
                     drafts[req.request_id] = tuple(draft)
