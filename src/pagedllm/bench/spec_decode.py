@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         opts[key] = None
     rows, base = [], None
     for mode, extra in (("off", {}), ("ngram", spec_opts)):
-        engine, _ = engine_over_runner(EngineConfig(**opts, **extra), loaded)
+        engine, _ = engine_over_runner(EngineConfig(**(opts | extra)), loaded)
         prompts = copy_prompts(engine, args.num_prompts)
         one_stream(engine, prompts[:1], 4)  # warm-up
         got = one_stream(engine, prompts, args.max_tokens)
