@@ -11,6 +11,8 @@ depend on the batch. The pool is whole after every run. Requests that must not s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -206,6 +208,36 @@ def test_structured_output_does_not_speculate(chat_model_dir):
     out = llm.generate(["yes or no? yes or no? yes or no?"], params, use_tqdm=False)
     assert out[0].outputs[0].text in ("yes", "no")
     assert llm.engine.snapshot().spec_proposed_tokens == 0
+
+
+def test_figures_in_metrics_and_the_generate_summary(
+    tiny_llama_dir, chat_model_dir, prompts, capsys
+):
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.cli import main
+    from pagedllm.entrypoints.server.metrics import EngineCollector
+
+    _, llm = run(tiny_llama_dir, prompts, **NGRAM)
+    snap = llm.engine.snapshot()
+    got = {
+        m.name: m.samples[0].value
+        for m in EngineCollector(SimpleNamespace(snapshot=snap)).collect()  # type: ignore[arg-type]
+    }
+    assert got["pagedllm:spec_decode_num_drafts"] == snap.spec_checks > 0
+    assert got["pagedllm:spec_decode_num_draft_tokens"] == snap.spec_proposed_tokens
+    assert got["pagedllm:spec_decode_num_accepted_tokens"] == snap.spec_accepted_tokens
+    assert got["pagedllm:spec_decode_acceptance_rate"] == snap.spec_acceptance_rate
+    assert got["pagedllm:spec_decode_mean_accepted_length"] == snap.spec_mean_accepted_length
+    assert snap.spec_mean_accepted_length == 1 + snap.spec_accepted_tokens / snap.spec_checks
+    args = ["generate", "--model", str(chat_model_dir), "--json", "--max-tokens", "16"]
+    args += ["--ignore-eos", "--speculative-method", "ngram", "--num-speculative-tokens", "3"]
+    args += ["--prompt-lookup-min", "1", "1 2 3 1 2 3 1 2 3"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert 0 <= summary["spec_acceptance_rate"] <= 1
+    # 0 when nothing was checked (a random model's output rarely repeats its prompt).
+    assert summary["spec_mean_accepted_length"] == 0 or summary["spec_mean_accepted_length"] >= 1
 
 
 def test_options_flags_and_refusals():
