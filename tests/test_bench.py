@@ -427,6 +427,23 @@ def test_structured_bench_times_masks_and_compiles(
     assert "ratio" in (out / "structured.md").read_text()
 
 
+def test_sweep_rows_report_speculation() -> None:
+    config = EngineConfig(
+        block_size=4,
+        num_kv_blocks=64,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        prompt_lookup_min=1,
+    )
+    engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(100, 4096), token=5))
+    requests = [BenchRequest((5, 6, 5, 6), 20), BenchRequest((1, 2, 3), 10)]
+    row = run_workload(engine, requests, clock="steps").row
+    snap = engine.snapshot()
+    assert row["generated_tokens"] == 30 and row["steps"] < 30
+    assert row["spec_acceptance_rate"] == round(snap.spec_acceptance_rate, 4) > 0
+    assert row["spec_mean_accepted_length"] == round(snap.spec_mean_accepted_length, 3) > 1
+
+
 def test_spec_bench_compares_tpot_with_and_without_ngram(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
