@@ -132,6 +132,8 @@ def test_stops_max_tokens_and_logprobs_as_without(tiny_llama_dir, prompts, plain
         SamplingParams(temperature=0, max_tokens=33, ignore_eos=True, stop_token_ids=[stop]),
         SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0, max_tokens=30, min_tokens=9, stop_token_ids=[stop]),
+        # Penalties count the proposals before each position as output.
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2),
     ):
         base = run(tiny_llama_dir, prompts, params)[0]
         outs, llm = run(tiny_llama_dir, prompts, params, **NGRAM)
