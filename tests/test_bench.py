@@ -427,6 +427,40 @@ def test_structured_bench_times_masks_and_compiles(
     assert "ratio" in (out / "structured.md").read_text()
 
 
+def test_sweep_rows_report_speculation() -> None:
+    config = EngineConfig(
+        block_size=4,
+        num_kv_blocks=64,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        prompt_lookup_min=1,
+    )
+    engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(100, 4096), token=5))
+    requests = [BenchRequest((5, 6, 5, 6), 20), BenchRequest((1, 2, 3), 10)]
+    row = run_workload(engine, requests, clock="steps").row
+    snap = engine.snapshot()
+    assert row["generated_tokens"] == 30 and row["steps"] < 30
+    assert row["spec_acceptance_rate"] == round(snap.spec_acceptance_rate, 4) > 0
+    assert row["spec_mean_accepted_length"] == round(snap.spec_mean_accepted_length, 3) > 1
+
+
+def test_spec_bench_compares_tpot_with_and_without_ngram(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = build_chat_model(tmp_path_factory)  # a chat template: the copy prompts
+    out = tmp_path / "spec"
+    args = ["bench", "spec", "--model", str(model), "--out", str(out)]
+    assert main([*args, "--num-prompts", "1", "--max-tokens", "12"]) == 0
+    result = json.loads((out / "spec.json").read_text())
+    assert result.keys() >= COMMON_KEYS
+    off, ngram = result["results"]
+    assert off["mode"] == "off" and ngram["mode"] == "ngram k=4 lookup 2..4"
+    assert off["same_tokens"] and ngram["same_tokens"]  # greedy: the same tokens
+    assert off["acceptance_rate"] is None and 0 <= ngram["acceptance_rate"] <= 1
+    assert off["tpot_ms"] > 0 and ngram["tpot_ms"] > 0
+    assert result["summary"]["same_tokens"] is True
+
+
 def test_the_report_keeps_the_sections_measured_apart(tmp_path: Path) -> None:
     page = tmp_path / "benchmarks.md"
     assert with_kept_sections("# new\n", str(page)) == "# new\n"  # no page yet

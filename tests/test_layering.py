@@ -51,8 +51,8 @@ ALLOWED: dict[str, set[str] | str] = {
     },
     # structured output's grammars (xgrammar): the engine imports them lazily
     "structured": {"errors", "sampling_params"},
-    # speculative decoding: proposers, their config, and the verifier (the sampler's steps)
-    "spec": {"errors", "sampling_params", "worker.runner", "worker.sampler"},
+    # speculative decoding: proposers and their config (the verifier runs in the worker)
+    "spec": {"errors", "sampling_params"},
     "engine": {
         "core",
         "kv",

@@ -3,9 +3,11 @@
 
 Random arrivals (some sharing prompt prefixes), lengths, parallel sampling and best_of
 (forks and copy-on-write), beam searches (forks and dropped beams), EOS, aborts and
-preemptions under a tiny pool. After every step: every block is free or referenced, each
-reference count equals the number of block-table entries pointing at it, used + free =
-total, every table covers its tokens; at the end the pool is whole.
+preemptions under a tiny pool, with and without speculative decoding (the fake runner
+keeps a deterministic share of the n-gram proposals, from none to all). After every
+step: every block is free or referenced, each reference count equals the number of
+block-table entries pointing at it, used + free = total, every table covers its tokens;
+at the end the pool is whole.
 """
 
 from __future__ import annotations
@@ -141,8 +143,15 @@ def random_params(rng: random.Random) -> SamplingParams | BeamSearchParams:
     )
 
 
-def simulate(seed: int, steps: int = 150, caching: bool = True, hybrid: bool = False) -> LLMEngine:
-    """`hybrid`: a model with sliding-window layers, so several layer groups."""
+def simulate(
+    seed: int,
+    steps: int = 150,
+    caching: bool = True,
+    hybrid: bool = False,
+    speculative: bool = False,
+) -> LLMEngine:
+    """`hybrid`: a model with sliding-window layers, so several layer groups;
+    `speculative`: n-gram proposals, checked (some kept, some not) by the fake runner."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randint(12, 40)
@@ -155,9 +164,18 @@ def simulate(seed: int, steps: int = 150, caching: bool = True, hybrid: bool = F
         enable_prefix_caching=caching,
     )
     num_layers, windows = random_layers(rng, hybrid)
-    if hybrid:  # reservations too: every group reserves, window groups then give back
+    if hybrid and not speculative:  # reservations: every group reserves, windows give back
         policy = rng.choice(["paged", "paged", "reserve-max", "reserve-pow2"])
         config = dataclasses.replace(config, kv_reservation=policy)
+    if speculative:
+        config = dataclasses.replace(
+            config,
+            speculative_method="ngram",
+            num_speculative_tokens=rng.randint(1, 6),
+            prompt_lookup_min=1,
+            prompt_lookup_max=rng.randint(1, 3),
+            speculative_disable_by_batch_size=rng.choice([None, None, 3]),
+        )
     runner = CountingRunner(rng.randrange(2**32), num_layers, windows)
     engine = LLMEngine(config, runner=runner)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(3)]
@@ -191,6 +209,53 @@ def test_pool_stays_consistent(seed: int, caching: bool) -> None:
 @given(st.integers(min_value=0, max_value=2**32), st.booleans())
 def test_pool_stays_consistent_with_layer_groups(seed: int, caching: bool) -> None:
     simulate(seed, caching=caching, hybrid=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32), st.booleans(), st.booleans())
+def test_pool_stays_consistent_with_speculation(seed: int, caching: bool, hybrid: bool) -> None:
+    simulate(seed, caching=caching, hybrid=hybrid, speculative=True)
+
+
+def test_speculation_accepts_rejects_preempts_and_hits() -> None:
+    """Randomized speculative runs keep some proposals and reject others, preempt and hit
+    the prefix cache; with a fake runner that keeps every or no proposal, too."""
+    proposed = accepted = preemptions = hits = 0
+    for seed in range(12):
+        engine = simulate(seed, steps=300, hybrid=seed % 2 == 1, speculative=True)
+        snap = engine.snapshot()
+        proposed += snap.spec_proposed_tokens
+        accepted += snap.spec_accepted_tokens
+        preemptions += engine.scheduler.num_preemptions
+        hits += engine.scheduler.prefix_hit_tokens
+    assert 0 < accepted < proposed and preemptions > 0 and hits > 0
+    for keep_all in (False, True):
+        config = EngineConfig(
+            block_size=2,
+            num_kv_blocks=16,
+            max_model_len=32,
+            max_num_batched_tokens=16,
+            speculative_method="ngram",
+            num_speculative_tokens=3,
+            prompt_lookup_min=1,
+        )
+        runner = FakeModelRunner(
+            ModelSpec(VOCAB, 4096),
+            token=1,
+            num_accepted=lambda row, keep_all=keep_all: len(row.draft_token_ids) * keep_all,
+        )
+        engine = LLMEngine(config, runner=runner)
+        for i in range(4):
+            engine.add_request(f"r{i}", [i + 1] * 3, SamplingParams(max_tokens=12, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+            check_invariants(engine.scheduler)
+        assert done == {f"r{i}": [1] * 12 for i in range(4)}
+        assert engine.kv.allocator.num_free_blocks == 16
+        snap = engine.snapshot()
+        assert snap.spec_proposed_tokens > 0
+        assert snap.spec_accepted_tokens == (snap.spec_proposed_tokens if keep_all else 0)
 
 
 def test_layer_groups_drop_blocks_share_and_hit() -> None:

@@ -18,9 +18,9 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec.config import SpeculativeConfig, speculative_config_from
 from pagedllm.spec.ngram import NgramProposer
-from pagedllm.spec.verify import SpecRow, SpecVerifier
 from pagedllm.worker.runner import SampleRow
 from pagedllm.worker.sampler import Sampler, sampling_probs
+from pagedllm.worker.spec_verify import SpecRow, SpecVerifier
 
 # The 0.999 quantile of chi-square with 7 degrees of freedom (8 tokens): a correct sampler
 # exceeds it once in a thousand seeds; the seeds here are fixed.

@@ -60,7 +60,8 @@ def run_workload(
     slots, most_empty = dict.fromkeys(SLOT_KINDS, 0), 0
     first: dict[str, float] = {}
     finish: dict[str, float] = {}
-    generated, preempted = 0, engine.snapshot().num_preemptions
+    begin = engine.snapshot()
+    generated, preempted = 0, begin.num_preemptions
     skipped = step_seconds = 0.0  # skipped: idle time jumped over to the next arrival
     start = time.perf_counter()
 
@@ -104,6 +105,12 @@ def run_workload(
     row["kv_utilization"] = round(sum(series["utilization"]) / n, 4)  # mean over steps
     row |= {f"slots_{k}_frac": round(v / total, 4) if total else None for k, v in slots.items()}
     row["max_empty_slots_per_seq"] = most_empty
+    if engine.config.speculative_config is not None:  # this run's share of the figures
+        checks = end.spec_checks - begin.spec_checks
+        proposed = end.spec_proposed_tokens - begin.spec_proposed_tokens
+        accepted = end.spec_accepted_tokens - begin.spec_accepted_tokens
+        row["spec_acceptance_rate"] = round(accepted / proposed, 4) if proposed else 0.0
+        row["spec_mean_accepted_length"] = round(1 + accepted / checks, 3) if checks else 0.0
     if clock == "wall":  # with arrivals, the rates count the idle time skipped
         row["seconds"] = round(time.perf_counter() - start, 3)
         row["requests_per_s"] = round(len(requests) / now(), 3)

@@ -3,7 +3,11 @@
 Every step gives each scheduled request some tokens to compute under two budgets
 (`max_num_seqs`, `max_num_batched_tokens`): decodes first, then the rest of partly
 computed prompts, then new requests from the waiting queue. A long prompt is split into
-chunks; decode and prefill share a step. When a running request cannot get a block, the
+chunks; decode and prefill share a step. A decoding request with proposed tokens
+(speculative decoding, `Request.draft_token_ids`) computes its last token and the k
+proposals in one chunk of k+1 lookahead slots, counted in the token budget; after the
+step only the accepted ones count as computed and the others' slots are given back
+(`update_from_output`). When a running request cannot get a block, the
 most recently admitted running request is preempted by recomputation: its blocks are
 freed and it goes back to the front of the waiting queue keeping its generated tokens.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedllm.core.sequence import Request, RequestStatus, Sequence
@@ -47,6 +52,14 @@ class ScheduledSeq:
     # One block table per layer group (kv/groups.py); a model of one kind has one.
     block_tables: tuple[tuple[int, ...], ...]
     needs_logits: bool  # the chunk reaches the sequence's last token
+    # Proposed tokens, the chunk's last len(draft_token_ids) tokens: each of the k+1
+    # positions from the sequence's last token on needs its logits row.
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Logits rows this sequence takes in the step's logits (0, 1, or k+1)."""
+        return 1 + len(self.draft_token_ids) if self.needs_logits else 0
 
     @property
     def block_table(self) -> tuple[int, ...]:
@@ -233,6 +246,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
+        drafts: dict[str, tuple[int, ...]] = {}  # request id -> proposals it checks
         preempted: list[str] = []
 
         # Running requests: decodes first, then partly computed prompts; both in
@@ -242,14 +256,25 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             k = len(req.seqs)
             chunk = min(req.num_tokens - req.num_computed_tokens, budget // k)
+            draft, req.draft_token_ids = req.draft_token_ids, []
             if chunk <= 0:
                 continue
+            if draft and chunk == 1 and k == 1 and req.num_computed_tokens + 1 == req.num_tokens:
+                # Lookahead slots from free blocks only: when the pool cannot hold them the
+                # request decodes one token (its proposals preempt nobody).
+                draft = draft[: budget - 1]
+                if draft and self._allocate(req, req.num_tokens + len(draft)):
+                    drafts[req.request_id] = tuple(draft)
+                    scheduled[req.request_id] = 1 + len(draft)
+                    budget -= 1 + len(draft)
+                    continue
             while not self._allocate(req, req.num_computed_tokens + chunk):
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted.append(victim.request_id)
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id) * len(victim.seqs)
+                    drafts.pop(victim.request_id, None)
                 if victim is req:
                     break
             else:
@@ -275,16 +300,18 @@ class Scheduler:
         for request_id, chunk in scheduled.items():
             req = self.requests[request_id]
             start = req.num_computed_tokens
-            end = start + chunk
+            draft = drafts.get(request_id, ())
+            end = start + chunk - len(draft)
             for seq in req.seqs:
                 seqs.append(
                     ScheduledSeq(
                         request_id=request_id,
                         seq_id=seq.seq_id,
-                        token_ids=tuple(seq.token_ids[start:end]),
+                        token_ids=(*seq.token_ids[start:end], *draft),
                         start_pos=start,
                         block_tables=self.kv.block_tables(seq.seq_id),
                         needs_logits=end == req.num_tokens,
+                        draft_token_ids=draft,
                     )
                 )
         # The runner hears of ended sequences (and drops their seeded generators) only
@@ -300,15 +327,32 @@ class Scheduler:
             finished_seq_ids=finished,
         )
 
-    def update_from_output(self, output: SchedulerOutput) -> None:
-        """The step ran: its tokens are computed; full blocks join the prefix cache."""
+    def update_from_output(
+        self, output: SchedulerOutput, accepted: Mapping[str, list[int]] | None = None
+    ) -> None:
+        """The step ran: its tokens are computed; full blocks join the prefix cache.
+
+        `accepted`: for a request that checked proposals, the proposals the model kept (a
+        prefix of them; none when it is missing). Only its last token and those count as
+        computed; the rejected proposals' slots go back to the pool, and the prefix cache
+        hashes only the kept tokens."""
+        accepted = accepted or {}
+        drafts = {s.request_id: s.draft_token_ids for s in output.seqs if s.draft_token_ids}
         for request_id, chunk in output.chunk_sizes.items():
             req = self.requests.get(request_id)
             if req is None:
                 continue
-            req.num_computed_tokens += chunk
+            draft = drafts.get(request_id, ())
+            kept = list(accepted.get(request_id, ())) if draft else []
+            if kept != list(draft[: len(kept)]):
+                raise ValueError(f"request {request_id}: accepted tokens are not its proposals")
+            req.num_computed_tokens += chunk - len(draft) + len(kept)
             for seq in req.seqs:
-                self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, req.num_computed_tokens)
+                token_ids: list[int] = seq.token_ids
+                if draft:
+                    self.kv.trim_slots(seq.seq_id, req.num_computed_tokens)
+                    token_ids = [*seq.token_ids, *kept]
+                self.kv.cache_computed_blocks(seq.seq_id, token_ids, req.num_computed_tokens)
 
     # ---------------------------------------------------------------- helpers
     def _allocate(self, req: Request, num_tokens: int) -> bool:
@@ -346,6 +390,7 @@ class Scheduler:
         for seq in req.seqs:
             self.kv.free(seq.seq_id)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1

@@ -59,6 +59,9 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     finished_seqs: list[Sequence] = field(default_factory=list)
+    # Tokens proposed for its one sequence by speculative decoding, for the next step to
+    # check (set before each step, taken by the scheduler; empty: none).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from functools import cached_property
 from pagedllm.core.reservation import check_policy
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.block_table import check_block_size
+from pagedllm.spec.config import SpeculativeConfig, speculative_config_from
 from pagedllm.worker.options import RunnerOptions
 
 _UNITS = {
@@ -76,6 +77,15 @@ class EngineConfig:
     # endpoint, which the engine binds: "tcp://127.0.0.1:5557", "tcp://*:5557" (every
     # interface), port * for any free one; None: no events.
     kv_events_endpoint: str | None = None
+    # Speculative decoding (spec/config.py, docs/speculative.md): "ngram" proposes the
+    # next num_speculative_tokens tokens by prompt lookup and the model checks them in
+    # one step; None: one token per step. "draft" (a smaller model) is not available yet.
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -94,6 +104,18 @@ class EngineConfig:
             raise InvalidParameterError(
                 "watermark", f"watermark must be in [0, 1), got {self.watermark}"
             )
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft":
+            raise InvalidParameterError(
+                "speculative_method",
+                "speculative_method 'draft' (a draft model) is not available yet: use 'ngram'",
+            )
+        if spec is not None and self.kv_reservation != "paged":
+            raise InvalidParameterError(
+                "speculative_method",
+                "speculative decoding needs kv_reservation='paged': the contiguous "
+                f"baselines reserve their slots up front, got {self.kv_reservation!r}",
+            )
         if self.kv_events_endpoint is not None and not _ENDPOINT.fullmatch(self.kv_events_endpoint):
             raise InvalidParameterError(
                 "kv_events_endpoint",
@@ -107,6 +129,19 @@ class EngineConfig:
         """What the model runner computes with: this configuration's share of options
         (built, and so checked, once: in __post_init__)."""
         return RunnerOptions.of(self)
+
+    @cached_property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding these options ask for, None when none (built, and so
+        checked, in __post_init__)."""
+        return speculative_config_from(
+            self.speculative_method,
+            self.num_speculative_tokens,
+            self.speculative_model,
+            self.prompt_lookup_min,
+            self.prompt_lookup_max,
+            self.speculative_disable_by_batch_size,
+        )
 
     def pool_size(
         self,

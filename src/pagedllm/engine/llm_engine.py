@@ -19,6 +19,11 @@ fails only the requests of that step. A failed request is aborted (its blocks fr
 comes back as a finished RequestOutput with `error` set; the others go on as they would
 have.
 
+Speculative decoding (`speculative_method="ngram"`, engine/speculation.py): before a step
+each eligible decoding request gets proposed tokens, the step checks them in one forward
+pass over k+1 positions, and the request keeps the accepted ones (cut at a stop, EOS or
+max_tokens as if drawn one by one) plus the model's own next token.
+
 Outside code reads the engine through `snapshot()` and listens through `add_listener()`
 (engine/listeners.py) or `record_kv()`; nothing outside engine/ touches its scheduler,
 block manager or runner.
@@ -30,6 +35,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.reservation import reserve_tokens
@@ -44,6 +50,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.prompts import check_token_ids, encode_text
 from pagedllm.engine.snapshot import EngineSnapshot, take_snapshot
+from pagedllm.engine.speculation import Speculation
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_rows import StepRows, raise_row_errors
 from pagedllm.errors import InvalidParameterError
@@ -126,6 +133,10 @@ class LLMEngine:
         self.listeners = Listeners(self.kv)
         self.stats = EngineStats()
         self.add_listener(self.stats)
+        spec_config = config.speculative_config
+        self.speculation = (
+            Speculation(spec_config, max_len, self.grammars) if spec_config is not None else None
+        )
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events_endpoint is not None:
             self.kv_events = self._publish_kv_events(config.kv_events_endpoint)
@@ -243,7 +254,10 @@ class LLMEngine:
     def snapshot(self, tables: bool = False, cached_hashes: bool = False) -> EngineSnapshot:
         """The engine's figures now; `tables`: with every running sequence's block table;
         `cached_hashes`: with the hashes of the prefix cache's blocks."""
-        return take_snapshot(self.scheduler, self.kv, self.num_steps, tables, cached_hashes)
+        spec = self.speculation.counts if self.speculation is not None else (0, 0, 0)
+        return take_snapshot(
+            self.scheduler, self.kv, self.num_steps, tables, cached_hashes, speculation=spec
+        )
 
     def add_listener(self, listener: StepListener) -> Callable[[], None]:
         """Call `listener` at every step from now on; returns the call that removes it."""
@@ -294,6 +308,8 @@ class LLMEngine:
         """One iteration: a RequestOutput for every request that gained a token, ended,
         or failed (`error` set) in it."""
         self.listeners.step_begin(self.num_steps + 1)
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler)
         step = self.scheduler.schedule()
         if step.is_empty:
             return []
@@ -303,7 +319,10 @@ class LLMEngine:
             sampled = self.runner.execute(step, rows.rows)
         except Exception as exc:
             return self._forward_failed(step, rows, exc)
-        self.scheduler.update_from_output(step)
+        accepted: dict[str, list[int]] = {}
+        if self.speculation is not None:
+            accepted = self.speculation.accepted(step, rows, sampled)
+        self.scheduler.update_from_output(step, accepted)
         # Forked once the prompt's blocks are hashed: the samples inherit the hashes
         # instead of hashing the prompt again each.
         self._fork(rows.forks)
@@ -326,10 +345,10 @@ class LLMEngine:
             req = self.scheduler.requests[s.request_id]
             try:
                 if req.request_id not in failed:
-                    self._add_rows(rows, logits_row, req, s.seq_id)
+                    self._add_rows(rows, logits_row, req, s.seq_id, s.draft_token_ids)
             except Exception as exc:
                 failed[req.request_id] = (req, exc)
-            logits_row += 1
+            logits_row += s.num_logits_rows
         return rows, failed
 
     def _forward_failed(
@@ -350,8 +369,16 @@ class LLMEngine:
         self.listeners.step_end(step, outputs, self.snapshot())
         return outputs
 
-    def _add_rows(self, rows: StepRows, logits_row: int, req: Request, seq_id: int) -> None:
-        """The rows that draw from logits row `logits_row` (sequence `seq_id`'s)."""
+    def _add_rows(
+        self,
+        rows: StepRows,
+        logits_row: int,
+        req: Request,
+        seq_id: int,
+        draft: tuple[int, ...] = (),
+    ) -> None:
+        """The rows that draw from logits row `logits_row` (sequence `seq_id`'s), which
+        check the proposed tokens `draft` (its logits rows follow) if any."""
         seq = next(q for q in req.seqs if q.seq_id == seq_id)
         beam = self._beams.get(req.request_id)
         if beam is not None:
@@ -365,7 +392,13 @@ class LLMEngine:
                 # Before its row is built: the sample draws under its own matcher.
                 self.grammars.fork(seq.seq_id, target.seq_id)
             rows.samples.setdefault(req.request_id, (req, []))[1].append((target, len(rows.rows)))
-            rows.rows.append(self._sample_row(logits_row, req, target))
+            row = self._sample_row(logits_row, req, target)
+            if draft:  # only a lone sample speculates: `target` is `seq`
+                row = replace(
+                    row, draft_token_ids=draft, num_output_tokens=target.num_output_tokens
+                )
+                rows.drafts[req.request_id] = len(rows.rows)
+            rows.rows.append(row)
 
     def _process(
         self,
@@ -408,21 +441,47 @@ class LLMEngine:
     def _take_samples(
         self, req: Request, entries: list[tuple[Sequence, int]], sampled: SampledTokens
     ) -> None:
-        """Append each sample's drawn token (from its row) and check whether it stops."""
+        """Append each sample's drawn tokens (from its row: kept proposals first, then
+        its own) one by one, and check whether it stops after each: a stop, EOS or
+        max_tokens among the kept proposals ends the sequence there."""
         params = _sampling_params(req)
         raise_row_errors(sampled, [i for _, i in entries])
         for seq, i in entries:
+            kept = sampled.accepted.get(i)
+            if kept is not None:
+                for j, token in enumerate(kept.token_ids):
+                    self._append(
+                        params, seq, token, kept.logprobs[j], kept.top_ids[j], kept.top_logprobs[j]
+                    )
+                    if seq.finish_reason is not None:
+                        break
+                if seq.finish_reason is not None:
+                    continue
             token = sampled.token_ids[i]
-            seq.token_ids.append(token)
-            self.grammars.accept(seq.seq_id, token)
-            seq.cumulative_logprob += sampled.logprobs[i]
-            if params.logprobs is not None:
-                top = dict(zip(sampled.top_ids[i], sampled.top_logprobs[i], strict=True))
-                top[token] = sampled.logprobs[i]
-                seq.output_logprobs.append(top)
-            self.output.check_stop(params, seq)
-            if seq.finish_reason is None and self.grammars.terminated(seq.seq_id):
-                seq.finish_reason = "stop"  # the grammar took its end (an EOS, ignore_eos)
+            self._append(
+                params, seq, token, sampled.logprobs[i], sampled.top_ids[i], sampled.top_logprobs[i]
+            )
+
+    def _append(
+        self,
+        params: SamplingParams,
+        seq: Sequence,
+        token: int,
+        logprob: float,
+        top_ids: list[int],
+        top_logprobs: list[float],
+    ) -> None:
+        """One new token of `seq`: its log-probs, the grammar, the stop checks."""
+        seq.token_ids.append(token)
+        self.grammars.accept(seq.seq_id, token)
+        seq.cumulative_logprob += logprob
+        if params.logprobs is not None:
+            top = dict(zip(top_ids, top_logprobs, strict=True))
+            top[token] = logprob
+            seq.output_logprobs.append(top)
+        self.output.check_stop(params, seq)
+        if seq.finish_reason is None and self.grammars.terminated(seq.seq_id):
+            seq.finish_reason = "stop"  # the grammar took its end (an EOS, ignore_eos)
 
     def _finish_step_of(self, req: Request, now: float) -> RequestOutput:
         for seq in [s for s in req.seqs if s.finish_reason is not None]:

@@ -49,6 +49,11 @@ class EngineSnapshot:
     group_windows: tuple[int | None, ...] = (None,)
     # Table entries given back behind a window since the engine started.
     num_dropped_blocks: int = 0
+    # Speculative decoding since the engine started: sequence-steps that checked
+    # proposed tokens, the tokens proposed, and those the model accepted.
+    spec_checks: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def backlog(self) -> int:
@@ -59,6 +64,19 @@ class EngineSnapshot:
     def prefix_hit_rate(self) -> float:
         queried = self.prefix_query_tokens
         return self.prefix_hit_tokens / queried if queried else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Proposed tokens the model accepted / proposed tokens (0 with none proposed)."""
+        proposed = self.spec_proposed_tokens
+        return self.spec_accepted_tokens / proposed if proposed else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a speculating sequence gained per step that checked its proposals: the
+        accepted ones plus the model's own (vLLM's mean acceptance length; 0 with none)."""
+        checks = self.spec_checks
+        return 1 + self.spec_accepted_tokens / checks if checks else 0.0
 
     def figures(self) -> dict[str, Any]:
         """The compact figures the KV view charts (a record's `st`)."""
@@ -82,9 +100,11 @@ def take_snapshot(
     num_steps: int,
     tables: bool = False,
     cached_hashes: bool = False,
+    speculation: tuple[int, int, int] = (0, 0, 0),
 ) -> EngineSnapshot:
     """The figures of an engine's scheduler and pool now; `tables`: with every running
-    sequence's block table; `cached_hashes`: with the prefix cache's block hashes."""
+    sequence's block table; `cached_hashes`: with the prefix cache's block hashes;
+    `speculation`: (checks, proposed tokens, accepted tokens) so far."""
     hashes = None
     if cached_hashes:
         alloc = kv.allocator
@@ -117,4 +137,7 @@ def take_snapshot(
         cached_hashes=hashes,
         group_windows=kv.windows,
         num_dropped_blocks=kv.num_dropped_blocks,
+        spec_checks=speculation[0],
+        spec_proposed_tokens=speculation[1],
+        spec_accepted_tokens=speculation[2],
     )

@@ -1,7 +1,8 @@
 """EngineStats: running figures of an engine, a step listener every engine has.
 
 Counts tokens and steps, and keeps the snapshot of every step as it ran, so a run can
-report peak blocks in use, time-averaged utilisation and batch size.
+report peak blocks in use, time-averaged utilisation and batch size; with speculative
+decoding, how many proposed tokens the model accepted.
 """
 
 from __future__ import annotations
@@ -43,3 +44,13 @@ class EngineStats(StepListener):
     @property
     def mean_running_seqs(self) -> float:
         return self._running_sum / self.steps if self.steps else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Proposed tokens the model accepted / proposed tokens, so far (0 with none)."""
+        return self.last.spec_acceptance_rate if self.last is not None else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a speculating sequence gained per checking step, its own included."""
+        return self.last.spec_mean_accepted_length if self.last is not None else 0.0

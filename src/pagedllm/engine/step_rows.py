@@ -24,6 +24,8 @@ class StepRows:
     # ... and for beam searches (a beam's row gives its candidates)
     beams: dict[str, tuple[Request, list[tuple[Sequence, int]]]] = field(default_factory=dict)
     forks: list[tuple[Request, Sequence, Sequence]] = field(default_factory=list)
+    # request id -> the row of its one sample that checks proposed tokens
+    drafts: dict[str, int] = field(default_factory=dict)
 
 
 def raise_row_errors(sampled: SampledTokens, rows: Iterable[int]) -> None:

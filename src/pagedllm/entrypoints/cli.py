@@ -143,6 +143,9 @@ def run_generate(args: argparse.Namespace) -> int:
         "preemptions": snap.num_preemptions,
         "prefix_cache_hit_rate": round(snap.prefix_hit_rate, 4),
     }
+    if engine.config.speculative_config is not None:
+        summary["spec_acceptance_rate"] = round(snap.spec_acceptance_rate, 4)
+        summary["spec_mean_accepted_length"] = round(snap.spec_mean_accepted_length, 3)
     if args.json:
         print(
             json.dumps(
@@ -164,6 +167,12 @@ def run_generate(args: argparse.Namespace) -> int:
         f"peak {stats.peak_used_blocks}/{snap.usage.num_blocks} KV blocks in use, "
         f"mean KV utilisation {stats.mean_utilization:.1%}, "
         f"{snap.num_preemptions} preemptions"
+        + (
+            f"; speculation: {snap.spec_acceptance_rate:.1%} of proposed tokens accepted, "
+            f"{snap.spec_mean_accepted_length:.2f} tokens per checking step"
+            if engine.config.speculative_config is not None
+            else ""
+        )
     )
     return 0
 

@@ -96,6 +96,21 @@ OPTIONS = (
         "endpoint, which routers subscribe to: tcp://127.0.0.1:PORT, tcp://*:PORT (every "
         "interface), ipc://PATH",
     ),
+    _Option(
+        "speculative_method",
+        "speculative decoding: ngram proposes tokens by prompt lookup and the model checks "
+        "them in one step (draft, a draft model, is not available yet)",
+        choices=("ngram", "draft"),
+    ),
+    _Option("num_speculative_tokens", "tokens proposed per sequence and step (1..128)", int),
+    _Option("speculative_model", "the draft model (speculative method draft)"),
+    _Option("prompt_lookup_min", "ngram: shortest suffix looked up (default 5)", int),
+    _Option("prompt_lookup_max", "ngram: longest suffix looked up (default 5)", int),
+    _Option(
+        "speculative_disable_by_batch_size",
+        "speculate only while fewer sequences than this are running",
+        int,
+    ),
 )
 
 

@@ -142,6 +142,13 @@ class BlockAllocator:
             self.tokens_stored += num_tokens - self._fill[block]
             self._fill[block] = num_tokens
 
+    def note_emptied(self, block: int, num_tokens: int) -> None:
+        """`block` (in use) now holds only `num_tokens` tokens: slots claimed for proposed
+        tokens that were rejected are given back."""
+        if num_tokens < self._fill[block]:
+            self.tokens_stored -= self._fill[block] - num_tokens
+            self._fill[block] = num_tokens
+
     # ------------------------------------------------------------ prefix cache
     def lookup(
         self, parent_hash: bytes, token_ids: Sequence[int], group: int = 0

@@ -90,6 +90,29 @@ class BlockTable:
         self.num_tokens = max(self.num_tokens, num_tokens)
         return copies
 
+    def truncate(self, num_tokens: int) -> list[int]:
+        """Give back the slots past the first `num_tokens` tokens (lookahead slots of
+        rejected proposals): blocks wholly past them return to the pool. Returns the
+        blocks given back. Never below the hashed (prefix-cached) blocks."""
+        if num_tokens >= self.num_tokens:
+            return []
+        if num_tokens < len(self.block_hashes) * self.block_size:
+            raise RuntimeError("cannot truncate a block table into its prefix-cached blocks")
+        bs = self.block_size
+        keep = max(-(-num_tokens // bs), self.num_dropped)
+        given = []
+        while len(self.blocks) > keep:
+            block = self.blocks.pop()
+            if block != self.null_block:
+                self.allocator.free(block)
+                given.append(block)
+        if num_tokens % bs and len(self.blocks) > num_tokens // bs:
+            last = self.blocks[num_tokens // bs]
+            if last != self.null_block:
+                self.allocator.note_emptied(last, num_tokens % bs)
+        self.num_tokens = num_tokens
+        return given
+
     def reserve(self, num_tokens: int) -> bool:
         """Allocate blocks for `num_tokens` tokens up front (the contiguous-reservation
         baselines) without claiming their slots; all or nothing."""

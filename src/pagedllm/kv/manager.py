@@ -245,6 +245,17 @@ class KVCacheManager:
                 self.listener.on_grown(seq_id, table, copies, group=g)
         return True
 
+    def trim_slots(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink the sequence's tables to `num_tokens` tokens in every group: the slots
+        claimed for proposed tokens that were rejected come back, and a block holding
+        only such tokens returns to the pool (speculative decoding)."""
+        for g, table in enumerate(self.tables[seq_id].groups):
+            before = table.num_tokens
+            table.truncate(num_tokens)
+            if table.num_tokens != before and self.listener is not None:
+                # The recorder reads the table anew: fewer tokens (and maybe blocks).
+                self.listener.on_grown(seq_id, table, [], group=g)
+
     def admit(
         self,
         seq_ids: Sequence[int],

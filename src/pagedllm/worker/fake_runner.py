@@ -1,7 +1,9 @@
 """FakeModelRunner: a model runner with no model, for bookkeeping runs and property tests.
 
 It computes nothing: each row draws a chosen token (always `token`, or random with a
-seed), with made-up log-probabilities for the candidates a beam search asks for. Driving
+seed), with made-up log-probabilities for the candidates a beam search asks for. A row
+that checks proposed tokens (speculative decoding) keeps a deterministic number of them
+(`num_accepted`), so that runs cover both kept and rejected proposals. Driving
 the real LLMEngine with it gives the engine's exact block, admission and preemption
 figures at thousands of steps per second, without torch.
 """
@@ -9,10 +11,17 @@ figures at thousands of steps per second, without torch.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
+from pagedllm.worker.runner import AcceptedDrafts, ModelSpec, SampledTokens, SampleRow
+
+
+def default_num_accepted(row: SampleRow) -> int:
+    """How many of a row's proposals the fake model keeps: cycles through 0..k with the
+    sequence's length, so a run sees every count from none to all."""
+    k = len(row.draft_token_ids)
+    return (row.seq_id + row.num_output_tokens) % (k + 1)
 
 
 class FakeModelRunner:
@@ -22,9 +31,11 @@ class FakeModelRunner:
         token: int = 0,
         seed: int | None = None,
         kv_bytes_per_token: int = 1,
+        num_accepted: Callable[[SampleRow], int] = default_num_accepted,
     ) -> None:
         """`kv_bytes_per_token`: what a token's K/V would take, for sizing the pool from a
-        byte budget (default 1: a budget in bytes is then one in tokens)."""
+        byte budget (default 1: a budget in bytes is then one in tokens). `num_accepted`:
+        how many of a speculating row's proposals to keep (clamped to 0..k)."""
         if not 0 <= token < spec.vocab_size:
             raise ValueError(f"token must be in [0, {spec.vocab_size - 1}], got {token}")
         if kv_bytes_per_token < 1:
@@ -33,6 +44,7 @@ class FakeModelRunner:
         self.token = token
         self.rng = random.Random(seed) if seed is not None else None
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.num_accepted = num_accepted
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.kv_bytes_per_token
@@ -49,7 +61,15 @@ class FakeModelRunner:
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
         vocab = self.spec.vocab_size
         tokens, top_ids, top_lps = [], [], []
-        for row in rows:
+        accepted: dict[int, AcceptedDrafts] = {}
+        for i, row in enumerate(rows):
+            if row.draft_token_ids:
+                k = len(row.draft_token_ids)
+                a = max(0, min(k, self.num_accepted(row)))
+                kept = list(row.draft_token_ids[:a])
+                accepted[i] = AcceptedDrafts(
+                    kept, [-0.5] * a, [[] for _ in kept], [[] for _ in kept]
+                )
             k = min(row.num_logprobs, vocab)
             if self.rng is None:
                 token = self.token
@@ -60,7 +80,7 @@ class FakeModelRunner:
             tokens.append(token)
             top_ids.append(candidates)
             top_lps.append([-0.5 * (i + 1) for i in range(k)])  # best first
-        return SampledTokens(tokens, [-0.5] * len(rows), top_ids, top_lps)
+        return SampledTokens(tokens, [-0.5] * len(rows), top_ids, top_lps, {}, accepted)
 
     def shutdown(self) -> None:
         pass

@@ -34,6 +34,8 @@ from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 from pagedllm.worker.sampler import Sampler
+from pagedllm.worker.spec_sampling import draw_with_proposals
+from pagedllm.worker.spec_verify import SpecVerifier
 
 logger = logging.getLogger("pagedllm")
 CALIBRATION_TEXT = Path(__file__).parents[1] / "model" / "data" / "calibration.txt"
@@ -92,6 +94,8 @@ class TorchModelRunner:
         )
         self.kv_cache: PagedKVCache | None = None
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(options.seed))
+        # Speculating rows draw their unseeded noise from the sampler's generator too.
+        self.verifier = SpecVerifier(self.sampler.generator)
         self._generators: dict[int, torch.Generator] = {}
 
     @property
@@ -144,10 +148,13 @@ class TorchModelRunner:
         logits = self.forward(step)
         if not rows:
             return SampledTokens([], [], [], [])
-        return self.sampler(logits, rows, [self._generator(r) for r in rows])
+        gens = [self._generator(r) for r in rows]
+        return draw_with_proposals(self.sampler, self.verifier, logits, rows, gens)
 
     def forward(self, step: SchedulerOutput) -> torch.Tensor:
-        """Logits [rows, vocab] for the scheduled sequences with `needs_logits`, in order."""
+        """Logits [rows, vocab] for the scheduled sequences with `needs_logits`, in order:
+        one row each, or k+1 (its last token's and each proposal's) for a sequence that
+        checks k proposed tokens."""
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("init_kv_cache must run before the first step")
@@ -161,6 +168,13 @@ class TorchModelRunner:
             block_tables=[s.block_tables for s in seqs],
             logits_seq_indices=[i for i, s in enumerate(seqs) if s.needs_logits],
         )
+        counts = [s.num_logits_rows for s in seqs if s.needs_logits]
+        if any(c > 1 for c in counts):  # a sequence's k+1 rows end at its last row
+            last = rows.tolist()
+            spread = [
+                r for end, c in zip(last, counts, strict=True) for r in range(end - c + 1, end + 1)
+            ]
+            rows = torch.tensor(spread, dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()

@@ -52,6 +52,22 @@ class SampleRow:
     suppressed_ids: tuple[int, ...] = ()  # EOS and stop ids while under min_tokens
     num_logprobs: int = 0
     grammar: TokenMask | None = None  # structured output: only its allowed tokens are drawn
+    # Speculative decoding: the proposed tokens this row checks. Its logits are then the
+    # k+1 rows from logits_row on; the runner keeps the proposals the model agrees with
+    # (worker/spec_verify.py) and draws one token of its own after them.
+    draft_token_ids: tuple[int, ...] = ()
+    num_output_tokens: int = 0  # output tokens before this step (min_tokens per position)
+
+
+@dataclass(frozen=True)
+class AcceptedDrafts:
+    """A speculating row's proposals the model kept, in order, before the row's own
+    token (token_ids[row] of SampledTokens), with their log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,9 @@ class SampledTokens:
     # row -> why drawing it failed; that row's entries above are placeholders, and only
     # its request fails
     row_errors: dict[int, str] = field(default_factory=dict)
+    # row -> its kept proposals, for every row that checked proposals (SampleRow's
+    # draft_token_ids), even when it kept none
+    accepted: dict[int, AcceptedDrafts] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):

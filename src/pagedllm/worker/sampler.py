@@ -8,7 +8,7 @@ the request has a seed, so a seeded request draws the same tokens whatever else 
 the batch. Greedy rows take the argmax. Log-probabilities are those of the model's raw
 distribution, as vLLM reports them. The steps are also functions of their own
 (process_logits, sampling_probs, exponential_noise), which the speculative verifier
-(spec/verify.py) applies to each proposed position.
+(worker/spec_verify.py) applies to each proposed position.
 """
 
 from __future__ import annotations

@@ -118,6 +118,15 @@ class EngineCollector(Collector):
                 "prompt tokens served by the prefix cache / prompt tokens",
                 snap.prefix_hit_rate,
             ),
+            "spec_decode_acceptance_rate": (
+                "speculative decoding: proposed tokens accepted / proposed (0..1)",
+                snap.spec_acceptance_rate,
+            ),
+            "spec_decode_mean_accepted_length": (
+                "speculative decoding: tokens a sequence gains per checking step, the "
+                "model's own included",
+                snap.spec_mean_accepted_length,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(P + name, doc, value=value)
@@ -132,6 +141,15 @@ class EngineCollector(Collector):
                 snap.prefix_hit_tokens,
             ),
             "engine_steps": ("engine steps run", snap.num_steps),
+            "spec_decode_num_drafts": (
+                "speculative decoding: sequence-steps that checked proposed tokens",
+                snap.spec_checks,
+            ),
+            "spec_decode_num_draft_tokens": ("tokens proposed", snap.spec_proposed_tokens),
+            "spec_decode_num_accepted_tokens": (
+                "proposed tokens the model accepted",
+                snap.spec_accepted_tokens,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(P + name, doc, value=value)

@@ -1,0 +1,147 @@
+"""`pagedllm bench spec`: what n-gram speculative decoding buys at one stream.
+
+A workload whose outputs copy their inputs (the model is asked to repeat paragraphs of
+the text the package ships, bench/data/quality_text.txt), run one request at a time,
+greedy, without speculation and then with `--speculative-method ngram` (default k 4,
+prompt lookup 2..4 when the flags are not given). Per mode: time per output token
+(TPOT: from the first token to the last, per token), tokens per second, the acceptance
+rate and the mean accepted length; and whether the tokens equal those without
+speculation (greedy: they must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm.bench import options
+from pagedllm.bench.output import ratio, write_outputs
+from pagedllm.bench.sweep import engine_over_runner
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.prompts import encode_chat
+from pagedllm.entrypoints.engine_args import engine_options
+from pagedllm.sampling_params import SamplingParams
+
+TEXT = Path(__file__).parent / "data" / "quality_text.txt"
+COLUMNS = (
+    "mode=mode|tpot_ms=TPOT ms|tokens_per_s=tokens/s|steps=steps|acceptance_rate=accepted"
+    "|mean_accepted_length=tokens per check|same_tokens=same tokens as off"
+)
+NGRAM_DEFAULTS = dict(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "spec", help="n-gram speculative decoding at one stream: TPOT with vs without"
+    )
+    options.add_bench_args(p, "spec", run, engine={"kv_cache_memory": "1GiB"})
+    p.add_argument("--num-prompts", type=int, default=4, help="paragraphs repeated, one at a time")
+    p.add_argument("--max-tokens", type=int, default=96)
+
+
+def copy_prompts(engine: LLMEngine, count: int) -> list[list[int]]:
+    """Chat prompts asking to repeat one paragraph each (the longest first)."""
+    paragraphs = [p.strip() for p in TEXT.read_text(encoding="utf-8").split("\n\n")]
+    paragraphs = sorted((p for p in paragraphs if len(p) > 200), key=len, reverse=True)
+    return [
+        encode_chat(
+            engine.tokenizer,
+            [{"role": "user", "content": f"Repeat this text exactly:\n\n{p[:600]}"}],
+            True,
+        )
+        for p in paragraphs[:count]
+    ]
+
+
+def one_stream(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Each prompt alone, greedy: its tokens, TPOTs and the engine's steps."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    tokens, tpots, steps, generated, seconds = [], [], 0, 0, 0.0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}", prompt, params)
+        first = None
+        out = None
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            if outputs:
+                first = first or time.perf_counter()
+                out = outputs[-1]
+            steps += 1
+        end = time.perf_counter()
+        assert out is not None and first is not None
+        ids = out.outputs[0].token_ids
+        tokens.append(ids)
+        generated += len(ids)
+        seconds += end - start
+        if len(ids) > 1:
+            tpots.append((end - first) / (len(ids) - 1))
+    return {
+        "tokens": tokens,
+        "tpot": statistics.mean(tpots),
+        "steps": steps,
+        "tokens_per_s": generated / seconds,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    loaded = options.get_loaded(args.model)
+    opts = engine_options(args)
+    spec_opts = {"speculative_method": "ngram"} | {
+        k: v if opts.get(k) is None else opts[k] for k, v in NGRAM_DEFAULTS.items()
+    }
+    for key in ("speculative_method", *NGRAM_DEFAULTS):
+        opts[key] = None
+    rows, base = [], None
+    for mode, extra in (("off", {}), ("ngram", spec_opts)):
+        engine, _ = engine_over_runner(EngineConfig(**(opts | extra)), loaded)
+        prompts = copy_prompts(engine, args.num_prompts)
+        one_stream(engine, prompts[:1], 4)  # warm-up
+        got = one_stream(engine, prompts, args.max_tokens)
+        snap = engine.snapshot()
+        base = got if base is None else base
+        label = (
+            mode
+            if mode == "off"
+            else (
+                f"ngram k={spec_opts['num_speculative_tokens']} lookup "
+                f"{spec_opts['prompt_lookup_min']}..{spec_opts['prompt_lookup_max']}"
+            )
+        )
+        rows.append(
+            {
+                "mode": label,
+                "tpot_ms": round(got["tpot"] * 1000, 2),
+                "tokens_per_s": round(got["tokens_per_s"], 1),
+                "steps": got["steps"],
+                "acceptance_rate": round(snap.spec_acceptance_rate, 3) if extra else None,
+                "mean_accepted_length": round(snap.spec_mean_accepted_length, 2) if extra else None,
+                "same_tokens": got["tokens"] == base["tokens"],
+            }
+        )
+        engine.shutdown()
+    config = dict(
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        threads=torch.get_num_threads(),
+        **spec_opts,
+    )
+    notes = [
+        "one request at a time, greedy; prompts ask the model to repeat a paragraph of "
+        "bench/data/quality_text.txt, so its output copies its input",
+        "TPOT: (last token - first token) / (tokens - 1), mean over requests; includes "
+        "scheduling, proposing, verification and output processing",
+    ]
+    result = options.new_result("spec", args, loaded, config, rows, notes)
+    result["summary"] = {
+        "tpot_speedup": ratio(rows[0]["tpot_ms"], rows[1]["tpot_ms"]),
+        "same_tokens": rows[1]["same_tokens"],
+    }
+    result["exit_code"] = 0 if rows[1]["same_tokens"] else 1
+    return write_outputs(result, args.out, COLUMNS)
