@@ -61,11 +61,6 @@ class ScheduledSeq:
         """Logits rows this sequence takes in the step's logits (0, 1, or k+1)."""
         return 1 + len(self.draft_token_ids) if self.needs_logits else 0
 
-    @property
-    def block_table(self) -> tuple[int, ...]:
-        """The first group's table: the only one of a model of one kind."""
-        return self.block_tables[0]
-
 
 @dataclass(frozen=True)
 class SchedulerOutput:

@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.reservation import reserve_tokens
@@ -52,18 +51,23 @@ from pagedllm.engine.prompts import check_token_ids, encode_text
 from pagedllm.engine.snapshot import EngineSnapshot, take_snapshot
 from pagedllm.engine.speculation import Speculation
 from pagedllm.engine.stats import EngineStats
-from pagedllm.engine.step_rows import StepRows, raise_row_errors
+from pagedllm.engine.step_rows import (
+    RowBuilder,
+    StepRows,
+    beam_candidates,
+    raise_row_errors,
+    sampling_params,
+)
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.groups import group_layers, group_size
 from pagedllm.kv.manager import KVCacheManager, KVUsage
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
-from pagedllm.worker.runner import ModelRunner, SampledTokens, SampleRow
+from pagedllm.worker.runner import ModelRunner, SampledTokens
 
 if TYPE_CHECKING:
     from pagedllm.engine.kv_event_publisher import KVEventPublisher
 
 logger = logging.getLogger("pagedllm")
-_GREEDY = SamplingParams(temperature=0)
 
 
 class LLMEngine:
@@ -129,6 +133,9 @@ class LLMEngine:
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, max_len)
         self._beams: dict[str, BeamState] = {}  # request id -> its beam search
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.rows = RowBuilder(
+            self.scheduler, self._beams, self.grammars, self.eos_token_ids, self._new_seq
+        )
         self.num_steps = 0  # steps that ran something
         self.listeners = Listeners(self.kv)
         self.stats = EngineStats()
@@ -182,7 +189,7 @@ class LLMEngine:
                 raise InvalidParameterError(
                     "logit_bias", f"logit_bias keys must be token ids in [0, {vocab - 1}]"
                 )
-        elif self._beam_candidates(params) > vocab:
+        elif beam_candidates(params, self.eos_token_ids) > vocab:
             raise InvalidParameterError(
                 "beam_width", f"beam_width must be at most {vocab // 2} for this vocabulary"
             )
@@ -314,7 +321,7 @@ class LLMEngine:
         if step.is_empty:
             return []
         self.num_steps += 1
-        rows, failed = self._rows_of(step)
+        rows, failed = self.rows.rows_of(step)
         try:
             sampled = self.runner.execute(step, rows.rows)
         except Exception as exc:
@@ -330,26 +337,6 @@ class LLMEngine:
         outputs = self._process(sampled, rows, failed)
         self.listeners.step_end(step, outputs, ran)
         return outputs
-
-    def _rows_of(
-        self, step: SchedulerOutput
-    ) -> tuple[StepRows, dict[str, tuple[Request, BaseException]]]:
-        """The rows to draw, following the scheduled sequences that need logits in order,
-        and the requests whose rows could not be built (they fail after the step)."""
-        rows = StepRows()
-        failed: dict[str, tuple[Request, BaseException]] = {}
-        logits_row = 0
-        for s in step.seqs:
-            if not s.needs_logits:
-                continue
-            req = self.scheduler.requests[s.request_id]
-            try:
-                if req.request_id not in failed:
-                    self._add_rows(rows, logits_row, req, s.seq_id, s.draft_token_ids)
-            except Exception as exc:
-                failed[req.request_id] = (req, exc)
-            logits_row += s.num_logits_rows
-        return rows, failed
 
     def _forward_failed(
         self, step: SchedulerOutput, rows: StepRows, exc: Exception
@@ -368,37 +355,6 @@ class LLMEngine:
         ]
         self.listeners.step_end(step, outputs, self.snapshot())
         return outputs
-
-    def _add_rows(
-        self,
-        rows: StepRows,
-        logits_row: int,
-        req: Request,
-        seq_id: int,
-        draft: tuple[int, ...] = (),
-    ) -> None:
-        """The rows that draw from logits row `logits_row` (sequence `seq_id`'s), which
-        check the proposed tokens `draft` (its logits rows follow) if any."""
-        seq = next(q for q in req.seqs if q.seq_id == seq_id)
-        beam = self._beams.get(req.request_id)
-        if beam is not None:
-            rows.beams.setdefault(req.request_id, (req, []))[1].append((seq, len(rows.rows)))
-            num = self._beam_candidates(beam.params)
-            rows.rows.append(SampleRow(logits_row, seq.seq_id, _GREEDY, num_logprobs=num))
-            return
-        for target in self._samples_for(req, seq):
-            if target is not seq:
-                rows.forks.append((req, seq, target))
-                # Before its row is built: the sample draws under its own matcher.
-                self.grammars.fork(seq.seq_id, target.seq_id)
-            rows.samples.setdefault(req.request_id, (req, []))[1].append((target, len(rows.rows)))
-            row = self._sample_row(logits_row, req, target)
-            if draft:  # only a lone sample speculates: `target` is `seq`
-                row = replace(
-                    row, draft_token_ids=draft, num_output_tokens=target.num_output_tokens
-                )
-                rows.drafts[req.request_id] = len(rows.rows)
-            rows.rows.append(row)
 
     def _process(
         self,
@@ -444,7 +400,7 @@ class LLMEngine:
         """Append each sample's drawn tokens (from its row: kept proposals first, then
         its own) one by one, and check whether it stops after each: a stop, EOS or
         max_tokens among the kept proposals ends the sequence there."""
-        params = _sampling_params(req)
+        params = sampling_params(req)
         raise_row_errors(sampled, [i for _, i in entries])
         for seq, i in entries:
             kept = sampled.accepted.get(i)
@@ -516,11 +472,6 @@ class LLMEngine:
         return out
 
     # ---------------------------------------------------------------- helpers
-    def _beam_candidates(self, params: BeamSearchParams) -> int:
-        """Candidates kept per step, as transformers: enough that k survive any EOS."""
-        num_eos = 0 if params.ignore_eos else len(self.eos_token_ids)
-        return max(2, 1 + num_eos) * params.beam_width
-
     def _advance_beams(
         self,
         req: Request,
@@ -551,47 +502,6 @@ class LLMEngine:
             index=index,
         )
 
-    def _samples_for(self, req: Request, seq: Sequence) -> list[Sequence]:
-        """The sequences that draw a token from `seq`'s logits: at the first draw of a
-        parallel-sampling request, the prompt's sequence and its new samples (forked from
-        it by the caller)."""
-        params = _sampling_params(req)
-        if params.num_seqs == 1 or seq.num_output_tokens > 0 or len(req.seqs) > 1:
-            return [seq]
-        return [seq, *(self._new_seq(seq.token_ids, index=i) for i in range(1, params.num_seqs))]
-
     def _fork(self, forks: list[tuple[Request, Sequence, Sequence]]) -> None:
         for req, parent, child in forks:
             self.scheduler.fork(req, parent, child)
-
-    def _sample_row(self, row: int, req: Request, seq: Sequence) -> SampleRow:
-        params = _sampling_params(req)
-        n_out = seq.num_output_tokens
-        suppressed: tuple[int, ...] = ()
-        grammar = self.grammars.get(seq.seq_id)
-        # With a grammar, the grammar decides where the output may end: min_tokens does
-        # not hold back its EOS (it could leave no token allowed).
-        if n_out < params.min_tokens and grammar is None:
-            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-            suppressed = eos + tuple(params.stop_token_ids)
-        penalties = params.has_penalties
-        # Sample i of a seeded request draws from its own stream: reproducible whatever
-        # else shares the batch.
-        seed = None if params.seed is None else hash((params.seed, seq.index)) & (2**63 - 1)
-        return SampleRow(
-            logits_row=row,
-            seq_id=seq.seq_id,
-            params=params,
-            seed=seed,
-            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if penalties else (),
-            output_ids=seq.output_token_ids if penalties else (),
-            suppressed_ids=suppressed,
-            num_logprobs=params.logprobs or 0,
-            grammar=grammar,
-        )
-
-
-def _sampling_params(req: Request) -> SamplingParams:
-    if not isinstance(req.params, SamplingParams):
-        raise TypeError(f"request {req.request_id} is a beam search, not a sampling request")
-    return req.params

@@ -23,8 +23,6 @@ from pagedllm.worker.runner import SampledTokens
 
 class Speculation:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, grammars: Grammars) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} is not available")
         self.config = config
         self.max_model_len = max_model_len
         self.grammars = grammars

@@ -1,17 +1,24 @@
-"""StepRows: the tokens one engine step draws (a SampleRow each) and whose they are.
+"""StepRows: the tokens one engine step draws (a SampleRow each) and whose they are;
+RowBuilder, which builds them from the step's schedule.
 
-Plain bookkeeping between the engine's row building and its per-request processing:
-which rows belong to which sampling request or beam search, and which samples are forked
-at their first draw.
+Plain bookkeeping between the schedule and the engine's per-request processing: which
+rows belong to which sampling request or beam search, which samples are forked at their
+first draw, and which row checks a sequence's proposed tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field, replace
 
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
+from pagedllm.engine.beam_search import BeamState
+from pagedllm.engine.grammars import Grammars
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.runner import SampledTokens, SampleRow
+
+_GREEDY = SamplingParams(temperature=0)
 
 
 @dataclass
@@ -32,3 +39,121 @@ def raise_row_errors(sampled: SampledTokens, rows: Iterable[int]) -> None:
     for i in rows:
         if i in sampled.row_errors:
             raise RuntimeError(f"sampling failed: {sampled.row_errors[i]}")
+
+
+def sampling_params(req: Request) -> SamplingParams:
+    if not isinstance(req.params, SamplingParams):
+        raise TypeError(f"request {req.request_id} is a beam search, not a sampling request")
+    return req.params
+
+
+def beam_candidates(params: BeamSearchParams, eos_token_ids: Collection[int]) -> int:
+    """Candidates kept per step, as transformers: enough that k survive any EOS."""
+    num_eos = 0 if params.ignore_eos else len(eos_token_ids)
+    return max(2, 1 + num_eos) * params.beam_width
+
+
+class RowBuilder:
+    """The rows of a step, built from its schedule and the engine's requests."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        beams: dict[str, BeamState],
+        grammars: Grammars,
+        eos_token_ids: set[int],
+        new_seq: Callable[..., Sequence],
+    ) -> None:
+        """`beams`: the engine's beam searches by request id (read, never changed);
+        `new_seq(token_ids, index)`: a new sequence (a sample forked at its first draw)."""
+        self.scheduler = scheduler
+        self.beams = beams
+        self.grammars = grammars
+        self.eos_token_ids = eos_token_ids
+        self.new_seq = new_seq
+
+    def rows_of(
+        self, step: SchedulerOutput
+    ) -> tuple[StepRows, dict[str, tuple[Request, BaseException]]]:
+        """The rows to draw, following the scheduled sequences that need logits in order,
+        and the requests whose rows could not be built (they fail after the step)."""
+        rows = StepRows()
+        failed: dict[str, tuple[Request, BaseException]] = {}
+        logits_row = 0
+        for s in step.seqs:
+            if not s.needs_logits:
+                continue
+            req = self.scheduler.requests[s.request_id]
+            try:
+                if req.request_id not in failed:
+                    self._add_rows(rows, logits_row, req, s.seq_id, s.draft_token_ids)
+            except Exception as exc:
+                failed[req.request_id] = (req, exc)
+            logits_row += s.num_logits_rows
+        return rows, failed
+
+    def _add_rows(
+        self,
+        rows: StepRows,
+        logits_row: int,
+        req: Request,
+        seq_id: int,
+        draft: tuple[int, ...] = (),
+    ) -> None:
+        """The rows that draw from logits row `logits_row` (sequence `seq_id`'s), which
+        check the proposed tokens `draft` (its logits rows follow) if any."""
+        seq = next(q for q in req.seqs if q.seq_id == seq_id)
+        beam = self.beams.get(req.request_id)
+        if beam is not None:
+            rows.beams.setdefault(req.request_id, (req, []))[1].append((seq, len(rows.rows)))
+            num = beam_candidates(beam.params, self.eos_token_ids)
+            rows.rows.append(SampleRow(logits_row, seq.seq_id, _GREEDY, num_logprobs=num))
+            return
+        for target in self._samples_for(req, seq):
+            if target is not seq:
+                rows.forks.append((req, seq, target))
+                # Before its row is built: the sample draws under its own matcher.
+                self.grammars.fork(seq.seq_id, target.seq_id)
+            rows.samples.setdefault(req.request_id, (req, []))[1].append((target, len(rows.rows)))
+            row = self._sample_row(logits_row, req, target)
+            if draft:  # only a lone sample speculates: `target` is `seq`
+                row = replace(
+                    row, draft_token_ids=draft, num_output_tokens=target.num_output_tokens
+                )
+                rows.drafts[req.request_id] = len(rows.rows)
+            rows.rows.append(row)
+
+    def _samples_for(self, req: Request, seq: Sequence) -> list[Sequence]:
+        """The sequences that draw a token from `seq`'s logits: at the first draw of a
+        parallel-sampling request, the prompt's sequence and its new samples (forked from
+        it by the caller)."""
+        params = sampling_params(req)
+        if params.num_seqs == 1 or seq.num_output_tokens > 0 or len(req.seqs) > 1:
+            return [seq]
+        return [seq, *(self.new_seq(seq.token_ids, index=i) for i in range(1, params.num_seqs))]
+
+    def _sample_row(self, row: int, req: Request, seq: Sequence) -> SampleRow:
+        params = sampling_params(req)
+        n_out = seq.num_output_tokens
+        suppressed: tuple[int, ...] = ()
+        grammar = self.grammars.get(seq.seq_id)
+        # With a grammar, the grammar decides where the output may end: min_tokens does
+        # not hold back its EOS (it could leave no token allowed).
+        if n_out < params.min_tokens and grammar is None:
+            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+            suppressed = eos + tuple(params.stop_token_ids)
+        penalties = params.has_penalties
+        # Sample i of a seeded request draws from its own stream: reproducible whatever
+        # else shares the batch.
+        seed = None if params.seed is None else hash((params.seed, seq.index)) & (2**63 - 1)
+        return SampleRow(
+            logits_row=row,
+            seq_id=seq.seq_id,
+            params=params,
+            seed=seed,
+            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if penalties else (),
+            output_ids=seq.output_token_ids if penalties else (),
+            suppressed_ids=suppressed,
+            num_logprobs=params.logprobs or 0,
+            grammar=grammar,
+        )

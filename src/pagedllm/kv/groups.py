@@ -85,11 +85,6 @@ def has_window(groups: Sequence[KVGroupSpec]) -> bool:
     return any(g.window is not None for g in groups)
 
 
-def layer_slots(groups: Sequence[KVGroupSpec]) -> dict[int, tuple[int, int]]:
-    """layer -> (its group, its slot within the group's blocks)."""
-    return {layer: (g, j) for g, spec in enumerate(groups) for j, layer in enumerate(spec.layers)}
-
-
 def kv_bytes_per_sequence(
     groups: Sequence[KVGroupSpec],
     num_tokens: int,

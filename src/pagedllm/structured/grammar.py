@@ -28,7 +28,8 @@ from pagedllm.errors import EngineOverloadedError, InvalidParameterError
 from pagedllm.sampling_params import StructuredOutputs
 
 # A pathological grammar (a schema whose automaton explodes) must be a 400, never a stall:
-# typical compiles take 1-30 ms on SmolLM2's 49k vocabulary (docs/serving.md).
+# compile times on SmolLM2's 49k vocabulary are in docs/benchmarks.md (`pagedllm bench
+# structured`).
 COMPILE_TIMEOUT_S = 10.0
 CACHE_SIZE = 64
 # Compiles running at once, a compile past the bound included (it cannot be interrupted
@@ -98,10 +99,6 @@ class GrammarCompiler:
                     return compiled
                 _remember(self._refused, key, reason, self._cache_size)
         raise InvalidParameterError(param, f"{param} {reason}")
-
-    def cached(self, spec: StructuredOutputs) -> bool:
-        with self._lock:
-            return spec.key() in self._cache
 
     def matcher(self, compiled: Any) -> GrammarState:
         """A fresh matcher at the start of `compiled`; it ends at the model's EOS."""
