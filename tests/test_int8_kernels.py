@@ -21,7 +21,7 @@ from pagedllm.kernels.policy import GEMV_MAX_ROWS
 from pagedllm.model.linear import Int8Linear
 
 pytestmark = pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels here")
-ROWS = (1, 7, 8, 9, 33, 64, 100)
+ROWS = (1, 2, 3, 7, 8, 9, 33, 64, 100)
 SHAPES = ((37, 13), (577, 41), (64, 24), (5, 3))  # (in, out): neither a tile multiple
 
 

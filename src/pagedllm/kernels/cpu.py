@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pagedllm.errors import KernelUnavailableError
-from pagedllm.kernels.policy import GEMV_MAX_ROWS
+from pagedllm.kernels.policy import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS
 
 logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
@@ -37,6 +37,7 @@ FLAGS = [
     "-fopenmp",
     "-std=c++17",
     f"-DPAGEDLLM_GEMV_MAX_ROWS={GEMV_MAX_ROWS}",
+    f"-DPAGEDLLM_PANEL_GEMV_MAX_ROWS={PANEL_GEMV_MAX_ROWS}",
 ]
 NAME = "pagedllm_cpu_ops"
 _lock = threading.Lock()

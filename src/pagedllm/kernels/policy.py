@@ -27,6 +27,12 @@ ITEMS_PER_WORKER = 2
 # blocked GEMM is faster.
 GEMV_MAX_ROWS = 8
 
+# Up to this many rows, on a CPU without AVX-512 VNNI, a layer whose weights are packed in
+# the AVX2 GEMM's panels reads them there (tiles of these rows by 4 panels, prefetching)
+# instead of the row-major gemv: the weights are read once either way, and the panels'
+# order streams from memory faster (docs/kernels.md has the figures).
+PANEL_GEMV_MAX_ROWS = 2
+
 
 def decode_splits(work_items: int, workers: int, context_len: int) -> int:
     """Into how many parts a decode row of `context_len` keys is cut when a step has

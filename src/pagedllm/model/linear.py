@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedllm.kernels.cpu import cache_dir
 from pagedllm.kernels.int8_choice import AVX2_GEMMS, CACHE_FILE, Int8Choice, choose_gemm, report
-from pagedllm.kernels.policy import GEMV_MAX_ROWS
+from pagedllm.kernels.policy import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS
 from pagedllm.model.layer_ops import TorchLayerOps
 
 SMOOTHING_ALPHA = 0.5
@@ -94,6 +94,11 @@ class Int8Linear(nn.Module):
         if gemm == "auto":  # what the compiled op's "auto" takes
             gemm = "_int_mm" if vnni else "gemm avx2"
         gemv = "gemv vnni" if vnni else "gemv avx2"
+        if not vnni and self.gemm == "gemm avx2":  # its panels also take the fewest rows
+            return (
+                f"gemm avx2 panels up to {PANEL_GEMV_MAX_ROWS} rows, {gemv} up to "
+                f"{GEMV_MAX_ROWS}, {gemm} above"
+            )
         return f"{gemv} up to {GEMV_MAX_ROWS} rows, {gemm} above"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

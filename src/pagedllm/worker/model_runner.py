@@ -111,8 +111,9 @@ class TorchModelRunner:
 
     @property
     def int8_kernels(self) -> dict[str, str]:
-        """The int8 kernels each kind of linear layer runs ("qkv": "gemv avx2 up to 8
-        rows, gemm avx2 above", ...) and "isa", the instruction set; empty without int8."""
+        """The int8 kernels each kind of linear layer runs ("qkv": "gemm avx2 panels up to
+        2 rows, gemv avx2 up to 8, gemm avx2 above", ...) and "isa", the instruction set;
+        empty without int8."""
         kinds: dict[str, str] = {}
         for name, module in self.model.named_modules():
             if isinstance(module, Int8Linear):

@@ -24,6 +24,11 @@ namespace {
 // 2x4, 3x3 (bytes) measured on the model's shapes on a Zen 3 (int8_choice.py's shapes).
 constexpr int kRows16 = 4, kPanels16 = 3, kRows8 = 4, kPanels8 = 2;
 constexpr int64_t kRowBlock = 64;  // rows whose inputs stay in L2 while panels pass
+// Up to kPanelGemvMaxRows rows the product reads each weight once and is bound by memory:
+// tiles of those rows x kFewPanels, prefetching kPrefetchBytes ahead in every panel (a panel
+// is a short stream of k * 8 bytes: the hardware prefetcher alone ramps up too late).
+constexpr int kFewRows = static_cast<int>(kPanelGemvMaxRows), kFewPanels = 4;
+constexpr int64_t kPrefetchBytes = 512;
 
 bool bytes_kernel(const std::string& gemm) {
   TORCH_CHECK(gemm == "avx2" || gemm == "avx2_int16", "unknown int8 GEMM kernel: ", gemm);
@@ -50,7 +55,7 @@ inline void store8(int32_t* out, __m256i acc, int64_t valid) {
 // The tile loop of both kernels: MR rows x NP panels of int32 sums over kp input channels,
 // D at a time. `row(r, i)` broadcasts row r's channels [i, i + D) (once per row, for all
 // panels); `madd(row, panel)` their 8 columns' partial sums with a panel's load.
-template <int MR, int NP, int D, typename W, typename Row, typename Madd>
+template <int MR, int NP, int D, bool Prefetch, typename W, typename Row, typename Madd>
 void tile(const W* w, int64_t pstride, int64_t kp, int32_t* out, int64_t ldo, int64_t cols,
           Row&& row, Madd&& madd) {
   __m256i acc[MR][NP];
@@ -58,8 +63,11 @@ void tile(const W* w, int64_t pstride, int64_t kp, int32_t* out, int64_t ldo, in
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm256_setzero_si256();
   for (int64_t i = 0; i < kp; i += D) {
     __m256i wv[NP];
-    for (int p = 0; p < NP; ++p)
-      wv[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * pstride + i * 8));
+    for (int p = 0; p < NP; ++p) {
+      const W* at = w + p * pstride + i * 8;
+      if (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(at) + kPrefetchBytes, _MM_HINT_T0);
+      wv[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    }
     for (int r = 0; r < MR; ++r) {
       const auto x = row(r, i);
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm256_add_epi32(acc[r][p], madd(x, wv[p]));
@@ -73,7 +81,7 @@ void tile(const W* w, int64_t pstride, int64_t kp, int32_t* out, int64_t ldo, in
 template <int MR, int NP>
 void madd16_tile(const int16_t* x, int64_t ldx, const int16_t* w, int64_t pstride, int64_t kp,
                  int32_t* out, int64_t ldo, int64_t cols) {
-  tile<MR, NP, 2>(
+  tile<MR, NP, 2, false>(
       w, pstride, kp, out, ldo, cols,
       [&](int r, int64_t i) { return _mm256_set1_epi32(load_pair(x + r * ldx + i)); },
       [](__m256i xb, __m256i wv) { return _mm256_madd_epi16(xb, wv); });
@@ -81,14 +89,14 @@ void madd16_tile(const int16_t* x, int64_t ldx, const int16_t* w, int64_t pstrid
 
 // "avx2": x and |x| int8 [MR][ldx]; |x| * (w with x's sign), pairs summed to
 // int16 (2 * 127 * 127 < 32768: no saturation), then to int32 by madd with ones.
-template <int MR, int NP>
+template <int MR, int NP, bool Prefetch>
 void maddubs_tile(const int8_t* x, const uint8_t* xa, int64_t ldx, const int8_t* w,
                   int64_t pstride, int64_t kp, int32_t* out, int64_t ldo, int64_t cols) {
   const __m256i ones = _mm256_set1_epi16(1);
   struct Row {
     __m256i sign, abs;
   };
-  tile<MR, NP, 4>(
+  tile<MR, NP, 4, Prefetch>(
       w, pstride, kp, out, ldo, cols,
       [&](int r, int64_t i) {
         return Row{_mm256_set1_epi32(load_pair(x + r * ldx + i)),
@@ -190,14 +198,20 @@ void int8_gemm_avx2(const at::Tensor& xq, const at::Tensor& panels, const std::s
       xa[r * kp + i] = static_cast<uint8_t>(std::abs(static_cast<int>(xp[r * k + i])));
     }
   const int8_t* wp = panels.data_ptr<int8_t>();
-  constexpr int MR = kRows8, NP = kPanels8;
-  for_each_tile<MR, NP>(m, n8, [&](int mr, int np, int64_t r, int64_t p0) {
-    dispatch_tile<MR, NP>(mr, np, [&](auto MR, auto NP) {
-      maddubs_tile<decltype(MR)::value, decltype(NP)::value>(
-          xs.data() + r * kp, xa.data() + r * kp, kp, wp + p0 * pstride, pstride, kp,
-          out + r * n + p0 * 8, n, cols(p0));
+  auto run = [&](auto max_rows, auto max_panels, auto prefetch) {
+    constexpr int MR = decltype(max_rows)::value, NP = decltype(max_panels)::value;
+    for_each_tile<MR, NP>(m, n8, [&](int mr, int np, int64_t r, int64_t p0) {
+      dispatch_tile<MR, NP>(mr, np, [&](auto MR, auto NP) {
+        maddubs_tile<decltype(MR)::value, decltype(NP)::value, decltype(prefetch)::value>(
+            xs.data() + r * kp, xa.data() + r * kp, kp, wp + p0 * pstride, pstride, kp,
+            out + r * n + p0 * 8, n, cols(p0));
+      });
     });
-  });
+  };
+  if (m <= kFewRows)
+    run(std::integral_constant<int, kFewRows>{}, std::integral_constant<int, kFewPanels>{}, std::true_type{});
+  else
+    run(std::integral_constant<int, kRows8>{}, std::integral_constant<int, kPanels8>{}, std::false_type{});
 }
 
 }  // namespace pagedllm

@@ -19,7 +19,15 @@
 #include <cstdint>
 #include <string>
 
+#ifndef PAGEDLLM_PANEL_GEMV_MAX_ROWS
+#error "PAGEDLLM_PANEL_GEMV_MAX_ROWS must be defined by the build (kernels/policy.py)"
+#endif
+
 namespace pagedllm {
+
+// Up to this many rows (and without VNNI), a layer with "avx2" panels multiplies with them
+// rather than with the row-major gemv (kernels/policy.py's PANEL_GEMV_MAX_ROWS).
+constexpr int64_t kPanelGemvMaxRows = PAGEDLLM_PANEL_GEMV_MAX_ROWS;
 
 // Input channels per panel row of a GEMM kernel ("avx2": 4, "avx2_int16": 2).
 int64_t int8_panel_depth(const std::string& gemm);

@@ -225,9 +225,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const 
       quantize_row(xp + r * k, sp, 1.0f / scale, qp + r * k, k);
     }
   });
-  // A layer's kernel is the GEMM it was given; its rows up to kGemvMaxRows take the gemv.
-  const bool few = m <= pagedllm::kGemvMaxRows;
-  const at::Tensor acc = int8_matmul(xq, weight_t, weight_sums, panels, few ? "auto" : kernel);
+  // A layer's kernel is the GEMM it was given; its rows up to kGemvMaxRows take the gemv,
+  // except that the fewest rows read the AVX2 GEMM's panels where the layer has them.
+  std::string chosen = kernel;
+  if (m <= pagedllm::kGemvMaxRows) {
+    const bool int8_panels = panels.has_value() && panels->defined() &&
+                             panels->scalar_type() == at::kChar;
+    chosen = m <= pagedllm::kPanelGemvMaxRows && int8_panels && !has_vnni() ? "gemm avx2" : "auto";
+  }
+  const at::Tensor acc = int8_matmul(xq, weight_t, weight_sums, panels, chosen);
   auto out = at::empty({m, n}, x.options());
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* ws = weight_scale.data_ptr<float>();
