@@ -66,6 +66,7 @@ class Int8Linear(nn.Module):
         weight = weight * smooth[None, :]
         scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
         self.weight_q = (weight / scale[:, None]).round().to(torch.int8)  # [out, in]
+        self.weight_t = self.weight_q.t()  # the view the kernels take, made once
         self.weight_sums = self.weight_q.sum(dim=1, dtype=torch.int32)  # for the VNNI kernel
         self.weight_scale = scale.contiguous()
         self.inv_smooth = (1.0 / smooth).contiguous()
@@ -107,7 +108,7 @@ class Int8Linear(nn.Module):
             return self.ops.int8_linear(
                 x,
                 self.inv_smooth,
-                self.weight_q.t(),
+                self.weight_t,
                 self.weight_scale,
                 self.weight_sums,
                 self.bias,
