@@ -110,3 +110,20 @@ def test_throughput_over_a_sharegpt_file(tmp_path: Path, tiny_llama_dir: Path) -
     assert result["workload"]["kind"].startswith("sharegpt (")
     assert result["workload"]["output_tokens"] == 6 + 5 + 9
     assert result["results"][0]["generated_tokens"] == 20
+
+
+def test_copy_prompts_repeat_the_shipped_paragraphs() -> None:
+    from pagedllm.bench.datasets import SHIPPED_TEXT, copy_requests
+    from pagedllm.loader.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()  # the default model's, from its GGUF
+    paragraphs = [p.strip() for p in SHIPPED_TEXT.read_text(encoding="utf-8").split("\n\n")]
+    longest = sorted((p for p in paragraphs if len(p) > 200), key=len, reverse=True)
+    requests = copy_requests(tokenizer, len(longest) + 1, 16)
+    assert len(requests) == len(longest) + 1
+    assert all(r.output_len == 16 and r.prompt_text is None for r in requests)
+    texts = [tokenizer.decode(r.prompt_token_ids) for r in requests]
+    for text, paragraph in zip(texts, [*longest, longest[0]], strict=True):
+        assert "Repeat this text exactly:" in text and paragraph[:80] in text
+        assert text.rstrip().endswith("<|im_start|>assistant")  # ready for the answer
+    assert requests[-1] == requests[0]  # cycled

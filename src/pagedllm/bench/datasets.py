@@ -1,4 +1,5 @@
-"""Real prompts for the benches: the ShareGPT JSON format that vLLM's benchmarks read.
+"""Real prompts for the benches: the ShareGPT JSON format that vLLM's benchmarks read, and
+`copy`, chat prompts over the text the package ships whose answers copy their input.
 
 The file is a list of `{"conversations": [{"from": "human", "value": ...}, {"from": "gpt",
 "value": ...}, ...]}`. The first human turn is the prompt; the token count of the first
@@ -18,10 +19,35 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench.workload import BenchRequest
+from pagedllm.engine.prompts import encode_chat
 from pagedllm.errors import InvalidParameterError
 
 logger = logging.getLogger("pagedllm")
 MIN_TOKENS, MAX_PROMPT, MAX_TOTAL = 4, 1024, 2048
+SHIPPED_TEXT = Path(__file__).parent / "data" / "quality_text.txt"
+COPY_CHARS = 600  # of each paragraph: a prompt of about 150 tokens
+
+
+def copy_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    """`count` chat prompts (token ids) asking the model to repeat a paragraph of the text
+    the package ships, the longest paragraphs first, cycled when there are fewer: outputs
+    that copy their inputs, where prompt-lookup speculation pays."""
+    paragraphs = [p.strip() for p in SHIPPED_TEXT.read_text(encoding="utf-8").split("\n\n")]
+    paragraphs = sorted((p for p in paragraphs if len(p) > 200), key=len, reverse=True)
+    return [
+        encode_chat(
+            tokenizer,
+            [{"role": "user", "content": f"Repeat this text exactly:\n\n{p[:COPY_CHARS]}"}],
+            True,
+        )
+        for p in (paragraphs[i % len(paragraphs)] for i in range(count))
+    ]
+
+
+def copy_requests(tokenizer: Any, num_prompts: int, output_len: int) -> list[BenchRequest]:
+    """The `copy` dataset: `copy_prompts` as token ids (both servers of a comparison read
+    the same ids), each with `output_len` tokens to generate."""
+    return [BenchRequest(tuple(ids), output_len) for ids in copy_prompts(tokenizer, num_prompts)]
 
 
 def _turns(entry: Any) -> tuple[str, str] | None:

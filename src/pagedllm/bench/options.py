@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from pagedllm.bench import workload as wl
-from pagedllm.bench.datasets import sharegpt_requests
+from pagedllm.bench.datasets import copy_requests, sharegpt_requests
 from pagedllm.core.reservation import check_policy
 from pagedllm.engine.config import parse_size
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_options
@@ -77,7 +77,11 @@ def add_bench_args(
         w.add_argument("--output-range", type=int_range, default=(32, 256), help="uniform: LO:HI")
         scale = "sharegpt: fraction of ShareGPT's mean lengths (161 in, 338 out)"
         w.add_argument("--sharegpt-scale", dest="scale", type=float, default=0.5, help=scale)
-        w.add_argument("--dataset", choices=["sharegpt"], help="real prompts, not --workload")
+        dataset = (
+            "real prompts, not --workload: sharegpt (--dataset-path), or copy (chat prompts "
+            "asking to repeat paragraphs of the shipped text; --output-len tokens each)"
+        )
+        w.add_argument("--dataset", choices=["sharegpt", "copy"], help=dataset)
         w.add_argument("--dataset-path", help="the dataset's file (ShareGPT JSON)")
         rate = "Poisson arrivals per second (per step in a bookkeeping run); default: all at once"
         w.add_argument("--request-rate", type=float, help=rate)
@@ -152,7 +156,11 @@ def workload_of(
     args: argparse.Namespace, vocab_size: int, max_len: int, tokenizer: Any = None
 ) -> list[wl.BenchRequest]:
     """The synthetic `--workload`, or `--dataset` prompts (tokenized with `tokenizer`)."""
-    if args.dataset is not None:
+    if args.dataset == "copy":
+        if tokenizer is None:
+            raise InvalidParameterError("dataset", "--dataset copy needs a model with a tokenizer")
+        requests = copy_requests(tokenizer, args.num_prompts, args.output_len)
+    elif args.dataset is not None:
         if not args.dataset_path or tokenizer is None:
             needs = "--dataset-path FILE" if not args.dataset_path else "a model with a tokenizer"
             raise InvalidParameterError("dataset_path", f"--dataset {args.dataset} needs {needs}")
