@@ -197,16 +197,35 @@ def test_trim_events_of_a_scripted_check() -> None:
     engine.add_request("a", [7, 8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    events = [[e for e in r["ev"] if e["k"] != "cache"] for r in records]
-    assert events[:3] == [
-        [{"k": "alloc", "seq": 0, "req": "a", "blocks": [0, 1], "tokens": 3}],
-        # Proposals 8 9 7 (after the 7 at the start) claim slots 4..6 in two fresh blocks;
-        # none is kept: the table keeps 4 slots, and both blocks go back.
+    seq = {"seq": 0, "req": "a"}
+    assert [r["ev"] for r in records] == [
+        [{"k": "alloc", **seq, "blocks": [0, 1], "tokens": 3}, {"k": "cache", "block": 0}],
+        # Proposals 8 9 7 (what followed the first 7) claim slots 4..6 in two fresh
+        # blocks; none is kept: the table claims 4 slots again and both blocks go back.
+        # Block 1 (9 and the model's 7) is cached only after the trim.
         [
-            {"k": "alloc", "seq": 0, "req": "a", "blocks": [2, 3], "tokens": 7},
-            {"k": "trim", "seq": 0, "req": "a", "tokens": 4, "blocks": [2, 3], "la": 3},
+            {"k": "alloc", **seq, "blocks": [2, 3], "tokens": 7},
+            {"k": "trim", **seq, "tokens": 4, "blocks": [2, 3], "la": 3},
+            {"k": "cache", "block": 1},
         ],
-        "third",
+        # Proposal 7 (what followed the latest 7) is kept: nothing goes back.
+        [
+            {"k": "alloc", **seq, "blocks": [2], "tokens": 6},
+            {"k": "trim", **seq, "tokens": 6, "blocks": [], "la": 1},
+            {"k": "cache", "block": 2},
+        ],
+        # Rejected, but its slot shares a block with the model's token: the block stays.
+        [
+            {"k": "alloc", **seq, "blocks": [3], "tokens": 8},
+            {"k": "trim", **seq, "tokens": 7, "blocks": [], "la": 1},
+        ],
+        # No room left under max_tokens: no proposal, a plain step.
+        [
+            {"k": "append", **seq, "tokens": 8},
+            {"k": "cache", "block": 3},
+            {"k": "free", **seq, "blocks": [0, 1, 2, 3]},
+            {"k": "finish", "req": "a"},
+        ],
     ]
     for record in records:
         state.apply_all(record["ev"])

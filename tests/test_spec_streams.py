@@ -1,7 +1,8 @@
 """`pagedllm bench spec-streams`: n-gram speculation at several streams on the shipped
 texts, end to end on a tiny random model with SmolLM2's tokenizer (its report's fields,
-the tokens equal with and without speculation), the closed loop of streams over the
-fake runner, and how the sweep picks the batch size from which speculating costs."""
+the tokens equal with and without speculation); the closed loop of streams over the fake
+runner, where proposals are made and kept; how the sweep picks the batch size from which
+speculating costs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pagedllm.bench.spec_streams import (
     disable_threshold,
     paragraphs,
     questions,
+    run_row,
     run_streams,
     sweep_advice,
     workload_messages,
@@ -39,15 +41,26 @@ def test_workloads_cycle_the_shipped_texts() -> None:
     assert all(len(p) <= 600 for p in paras) and len(asked) >= 30
 
 
+def fake_engine(**spec: object) -> LLMEngine:
+    """An engine over the fake runner, whose model always says 5: proposals drawn from
+    sequences of 5s are what it would say, so speculating keeps the same tokens."""
+    config = EngineConfig(block_size=4, num_kv_blocks=128, **spec)  # type: ignore[arg-type]
+    return LLMEngine(config, runner=FakeModelRunner(ModelSpec(100, 4096), token=5))
+
+
 def test_streams_stay_in_flight_until_the_prompts_run_out() -> None:
-    config = EngineConfig(block_size=4, num_kv_blocks=128, speculative_method="ngram")
-    engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(100, 4096), token=5))
-    prompts = [[5, 6, 5, 6], [1, 2, 3], [7, 8], [9, 9, 9], [4, 5]]
+    prompts = [[5, 5, 5, 5], [5, 5, 5], [5, 5], [5, 5, 5], [5, 5, 5, 5, 5]]
+    base = run_streams(fake_engine(), prompts, streams=2, max_tokens=6)
+    engine = fake_engine(speculative_method="ngram", num_speculative_tokens=3)
     run = run_streams(engine, prompts, streams=2, max_tokens=6)
-    assert [len(t) for t in run.tokens] == [6] * 5 and run.generated == 30
+    assert run.tokens == base.tokens == [[5] * 6] * 5 and run.generated == 30
+    assert engine.snapshot().spec_accepted_tokens > 0 and run.steps < base.steps
     # Two in flight until the last prompt runs alone: never more than two.
     assert 1 < run.running_sum / run.steps <= 2
     assert 0 < run.full_batch_tokens < 30 and run.full_batch_seconds <= run.seconds
+    row = run_row("copy", 2, "ngram", run, base)
+    assert (row["requests"], row["generated_tokens"], row["steps"]) == (5, 30, run.steps)
+    assert row["same_tokens"] is True and row["differing_requests"] == 0
     assert engine.kv.usage().used_blocks == 0  # the pool whole at the end
 
 
@@ -69,29 +82,32 @@ def test_bench_runs_both_workloads_at_several_streams(
     model = build_chat_model(tmp_path_factory)  # a chat template for the prompts
     out = tmp_path / "streams"
     args = ["bench", "spec-streams", "--model", str(model), "--out", str(out)]
-    args += ["--streams", "1,3", "--max-tokens", "8", "--num-kv-blocks", "256"]
+    args += ["--streams", "1,2", "--max-tokens", "5", "--num-kv-blocks", "256"]
+    args += ["--requests-per-stream", "1"]  # the fake runner's test covers a closed loop
     assert main(args) == 0
     result = json.loads((out / "spec-streams.json").read_text())
     assert result.keys() >= COMMON_KEYS
     rows = result["results"]
     label = "ngram k=4 lookup 2..4"
-    expected = [(w, s, m) for w in ("copy", "chat") for s in (1, 3) for m in ("off", label)]
+    expected = [(w, s, m) for w in ("copy", "chat") for s in (1, 2) for m in ("off", label)]
     assert [(r["workload"], r["streams"], r["mode"]) for r in rows] == expected
     for row in rows:
-        assert row["requests"] == 2 * row["streams"]  # two requests per stream by default
-        assert 0 < row["generated_tokens"] <= 8 * row["requests"]
+        assert row["requests"] == row["streams"]
+        assert 0 < row["generated_tokens"] <= 5 * row["requests"]
         assert row["tokens_per_s"] > 0 and row["full_batch_tokens_per_s"] > 0
         assert 0 < row["mean_running"] <= row["streams"]
         assert row["same_tokens"] is True and row["differing_requests"] == 0
         if row["mode"] == "off":
             assert "acceptance_rate" not in row and "ratio" not in row
         else:
-            assert 0 <= row["acceptance_rate"] <= 1 and row["mean_accepted_length"] >= 1
+            # A random model's output seldom repeats: it may propose nothing (length 0).
+            assert 0 <= row["acceptance_rate"] <= 1
+            assert row["mean_accepted_length"] == 0 or row["mean_accepted_length"] >= 1
             assert row["ratio"] > 0 and row["full_batch_ratio"] > 0
     summary = result["summary"]
     assert summary["same_tokens"] is True
     assert {"copy_acceptance_rate", "chat_slower_from_streams"} <= summary.keys()
-    assert result["config"]["streams"] == [1, 3] and result["config"]["eos"] == "honoured"
+    assert result["config"]["streams"] == [1, 2] and result["config"]["eos"] == "honoured"
     assert "same tokens as off" in (out / "spec-streams.md").read_text()
 
 
@@ -101,7 +117,7 @@ def test_sweep_runs_the_chat_workload_and_advises(
     model = build_chat_model(tmp_path_factory)
     out = tmp_path / "sweep"
     args = ["bench", "spec-streams", "--sweep", "--model", str(model), "--out", str(out)]
-    args += ["--streams", "1,2", "--max-tokens", "4", "--requests-per-stream", "1"]
+    args += ["--streams", "1,2", "--max-tokens", "3", "--requests-per-stream", "1"]
     assert main([*args, "--num-kv-blocks", "128"]) == 0
     result = json.loads((out / "spec-streams.json").read_text())
     assert {r["workload"] for r in result["results"]} == {"chat"}

@@ -205,7 +205,7 @@ def spec_options(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, An
     return opts | dict.fromkeys(SPEC_KEYS), spec
 
 
-def disable_threshold(rows: Sequence[dict[str, Any]], key: str = "full_batch_ratio") -> Any:
+def disable_threshold(rows: Sequence[dict[str, Any]], key: str = "full_batch_ratio") -> int | None:
     """The smallest stream count from which n-gram speculation is slower (ratio `key`
     below 1) at it and at every larger one measured; None when it never is (or the
     largest measured is still faster). With speculation off from this batch size on,
