@@ -20,12 +20,13 @@ from pagedllm.bench.spec_streams import (
     questions,
     run_row,
     run_streams,
+    spec_options,
     sweep_advice,
     workload_messages,
 )
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.cli import main
+from pagedllm.entrypoints.cli import build_parser, main
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.runner import ModelSpec
 
@@ -74,6 +75,25 @@ def test_the_threshold_is_where_speculation_stays_slower() -> None:
     assert disable_threshold(rows(0.9, 0.8)) == 1
     assert disable_threshold(rows(1.2, None, 0.9)) == 4  # a size without a full batch
     assert "batch-size 4" in sweep_advice(4) and "none" in sweep_advice(None)
+
+
+def test_speculation_options_reach_only_the_ngram_engine() -> None:
+    args = build_parser().parse_args(["bench", "spec-streams"])
+    off, spec = spec_options(args)
+    assert off["speculative_method"] is None and off["num_speculative_tokens"] is None
+    assert spec == {
+        "speculative_method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+        "speculative_disable_by_batch_size": None,
+    }
+    flags = ["--num-speculative-tokens", "2", "--speculative-disable-by-batch-size", "16"]
+    off, spec = spec_options(build_parser().parse_args(["bench", "spec-streams", *flags]))
+    assert off["speculative_disable_by_batch_size"] is None
+    assert (spec["num_speculative_tokens"], spec["speculative_disable_by_batch_size"]) == (2, 16)
+    with pytest.raises(SystemExit):  # an unknown workload is a usage error
+        build_parser().parse_args(["bench", "spec-streams", "--workloads", "copy,poems"])
 
 
 def test_bench_runs_both_workloads_at_several_streams(

@@ -249,6 +249,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"ngram k={spec['num_speculative_tokens']} lookup "
         f"{spec['prompt_lookup_min']}..{spec['prompt_lookup_max']}"
     )
+    if spec["speculative_disable_by_batch_size"] is not None:
+        label += f", off from batch {spec['speculative_disable_by_batch_size']}"
     rows = []
     for workload in workloads:
         for streams in counts:
@@ -257,7 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             base = None
             for mode, opts in (("off", off_opts), (label, off_opts | spec)):
-                engine, _ = build_engine(loaded, opts)
+                engine = build_engine(loaded, opts)[0]  # no other hold on its runner
                 got = run_streams(engine, prompts, streams, args.max_tokens)
                 row = run_row(workload, streams, mode, got, base)
                 if base is None:
