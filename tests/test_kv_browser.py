@@ -1,6 +1,7 @@
 """The KV view in a real browser (headless Chromium over the DevTools protocol): the live
 page of a busy server (1,456 blocks, 100+ running requests) draws every block, and a
-replay file of a beam search draws its forks and copies. Both run under their
+replay file of a beam search draws its forks and copies, and one of n-gram speculation
+marks its lookahead slots. All run under their
 Content-Security-Policy, which stops any other script; data that looks like markup stays
 text. Screenshots go to the test's
 temporary folder, or to $KV_VIEW_SCREENSHOTS when set. Skipped where Chromium is absent
@@ -18,9 +19,15 @@ import pytest
 from browser import Browser, chromium_path
 from kv_demo import busy_server, freeze_when_busy, record_beam_search, start_load
 from live_server import build_chat_model
+from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_recorder import KVRecorder
+from pagedllm.engine.kv_trace import KVTrace
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.cli import main
 from pagedllm.entrypoints.kv_view.page import render
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.fake_runner import FakeModelRunner
+from pagedllm.worker.runner import ModelSpec
 
 pytestmark = pytest.mark.skipif(
     chromium_path() is None,
@@ -161,3 +168,42 @@ def test_markup_in_a_trace_stays_text(browser: Browser, tmp_path: Path) -> None:
     assert mark in stats
     assert browser.evaluate("document.querySelector('#reqlist .id').title") == mark
     assert mark in browser.evaluate("document.getElementById('chartlegend').textContent")
+
+
+def test_replay_of_speculation_marks_lookahead_slots(browser: Browser, tmp_path: Path) -> None:
+    """A bookkeeping run with n-gram speculation: at a step whose check gave blocks back,
+    the page marks the lookahead slots (blocks given back among them), logs the `trim`,
+    and ends with the pool the manager ended with."""
+    config = EngineConfig(
+        block_size=2,
+        num_kv_blocks=64,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        prompt_lookup_min=1,
+    )
+    engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(50, 4096), seed=3))
+    trace = KVTrace.record(engine, command="n-gram speculation over the fake runner")
+    for i in range(6):
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        engine.add_request(f"r{i}", [1 + i, 2, 3, 1 + i, 2, 3], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    path = tmp_path / "spec.json"
+    records = trace.write(path)["records"]
+    given = [r for r in records if any(e["k"] == "trim" and e["blocks"] for e in r["ev"])]
+    assert given, "no check gave a block back"
+    html = tmp_path / "spec.html"
+    assert main(["kv-view", str(path), "-o", str(html)]) == 0
+    browser.goto(html.as_uri() + f"#step={given[0]['step']}")
+    browser.wait_for("document.body.dataset.givenBlocks > 0", "the blocks given back")
+    data = browser.evaluate("JSON.parse(JSON.stringify(document.body.dataset))")
+    assert int(data["lookaheadBlocks"]) >= int(data["givenBlocks"])
+    assert json.loads(data["counts"])["trim"] > 0
+    log = browser.evaluate("document.getElementById('log').textContent")
+    assert "gave back [" in log
+    browser.screenshot(shots_dir(tmp_path) / "kv-view-speculation.png")
+    browser.evaluate(
+        "const s = document.getElementById('slider'); s.value = s.max;"
+        "s.dispatchEvent(new Event('input'))"
+    )
+    browser.wait_for("document.body.dataset.usedBlocks === '0'", "the empty pool at the end")

@@ -37,16 +37,26 @@ def random_params(rng: random.Random) -> SamplingParams | BeamSearchParams:
     return SamplingParams(n=n, best_of=best_of, max_tokens=max_tokens, ignore_eos=True)
 
 
-def make_engine(rng: random.Random, windows: tuple[int | None, ...] | None = None) -> LLMEngine:
-    """`windows`: each layer's attention window (a model with several layer groups)."""
+def make_engine(
+    rng: random.Random,
+    windows: tuple[int | None, ...] | None = None,
+    speculative: bool = False,
+) -> LLMEngine:
+    """`windows`: each layer's attention window (a model with several layer groups);
+    `speculative`: n-gram proposals of 1..4 tokens (the fake model keeps some of them)."""
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randint(16, 48)
+    spec: dict[str, Any] = {}
+    if speculative:
+        spec = {"speculative_method": "ngram", "num_speculative_tokens": rng.randint(1, 4)}
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": rng.randint(1, 3)}
     config = EngineConfig(
         block_size=block_size,
         num_kv_blocks=num_blocks,
         max_model_len=num_blocks * block_size // 2,
         max_num_seqs=rng.randint(2, 10),
         max_num_batched_tokens=rng.randint(4, 48),
+        **spec,
     )
     layers = len(windows) if windows else 1
     spec = ModelSpec(VOCAB, 4096, (EOS,), num_layers=layers, layer_windows=windows)
@@ -79,15 +89,22 @@ def check_against_manager(engine: LLMEngine, state: PoolState) -> None:
         assert entry["blocks"] == table.blocks and entry["tokens"] == table.num_tokens
 
 
+def kinds_of(events: list[dict[str, Any]]) -> list[str]:
+    """Each event's kind; a `trim` that gave blocks back counts as "trim blocks" too."""
+    kinds = [e["k"] for e in events]
+    return kinds + ["trim blocks" for e in events if e["k"] == "trim" and e["blocks"]]
+
+
 def run(
     seed: int,
     steps: int = 200,
     attach_at: int = 0,
     windows: tuple[int | None, ...] | None = None,
+    speculative: bool = False,
 ) -> tuple[LLMEngine, Counter[str]]:
     """A random run, recorded from step `attach_at` on and checked after every step."""
     rng = random.Random(seed)
-    engine = make_engine(rng, windows)
+    engine = make_engine(rng, windows, speculative)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(4, 20))] for _ in range(3)]
     records: list[dict[str, Any]] = []
     state: PoolState | None = None
@@ -109,7 +126,7 @@ def run(
         if state is not None:
             for record in records:
                 state.apply_all(record["ev"])
-                kinds.update(e["k"] for e in record["ev"])
+                kinds.update(kinds_of(record["ev"]))
             records.clear()
             check_against_manager(engine, state)
     for request_id in list(engine.scheduler.requests):
@@ -118,7 +135,7 @@ def run(
     assert state is not None
     for record in records:
         state.apply_all(record["ev"])
-        kinds.update(e["k"] for e in record["ev"])
+        kinds.update(kinds_of(record["ev"]))
     check_against_manager(engine, state)
     assert not state.tables and not any(state.ref)
     return engine, kinds
@@ -143,6 +160,76 @@ def test_replaying_events_of_layer_groups() -> None:
         _, seen = run(seed, windows=(5, 5, None, 5, 5, None), attach_at=seed * 5)
         kinds += seen
     assert {"alloc", "hit", "cow", "fork", "free", "drop", "preempt"} <= set(kinds), kinds
+
+
+def test_replaying_events_of_speculative_runs() -> None:
+    """n-gram speculation claims lookahead slots for its proposals and gives back those
+    of the rejected ones as `trim` events: replaying them follows the pool exactly,
+    blocks given back included, with layer groups too."""
+    kinds: Counter[str] = Counter()
+    for seed in range(8):
+        windows = (5, None, 5) if seed % 2 else None
+        _, seen = run(seed, windows=windows, speculative=True, attach_at=seed * 3)
+        kinds += seen
+    assert {"alloc", "append", "trim", "trim blocks", "free", "cache"} <= set(kinds), kinds
+
+
+def test_trim_events_of_a_scripted_check() -> None:
+    """Exact events of proposals rejected, then kept: the lookahead slots claimed as an
+    `alloc`, the rejected ones' blocks back as a `trim`, and the prefix cache hashing
+    kept tokens only."""
+    keep = {1: 0, 2: 2}  # the row's output tokens so far -> proposals kept
+    config = EngineConfig(
+        block_size=2,
+        num_kv_blocks=16,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        prompt_lookup_min=1,
+        prompt_lookup_max=1,
+    )
+    runner = FakeModelRunner(
+        ModelSpec(VOCAB, 4096), token=7, num_accepted=lambda row: keep.get(row.num_output_tokens, 0)
+    )
+    engine = LLMEngine(config, runner=runner)
+    records: list[dict[str, Any]] = []
+    recorder = engine.record_kv(records.append)
+    state = PoolState.from_json(recorder.snapshot()["pool"])
+    engine.add_request("a", [7, 8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    seq = {"seq": 0, "req": "a"}
+    assert [r["ev"] for r in records] == [
+        [{"k": "alloc", **seq, "blocks": [0, 1], "tokens": 3}, {"k": "cache", "block": 0}],
+        # Proposals 8 9 7 (what followed the first 7) claim slots 4..6 in two fresh
+        # blocks; none is kept: the table claims 4 slots again and both blocks go back.
+        # Block 1 (9 and the model's 7) is cached only after the trim.
+        [
+            {"k": "alloc", **seq, "blocks": [2, 3], "tokens": 7},
+            {"k": "trim", **seq, "tokens": 4, "blocks": [2, 3], "la": 3},
+            {"k": "cache", "block": 1},
+        ],
+        # Proposal 7 (what followed the latest 7) is kept: nothing goes back.
+        [
+            {"k": "alloc", **seq, "blocks": [2], "tokens": 6},
+            {"k": "trim", **seq, "tokens": 6, "blocks": [], "la": 1},
+            {"k": "cache", "block": 2},
+        ],
+        # Rejected, but its slot shares a block with the model's token: the block stays.
+        [
+            {"k": "alloc", **seq, "blocks": [3], "tokens": 8},
+            {"k": "trim", **seq, "tokens": 7, "blocks": [], "la": 1},
+        ],
+        # No room left under max_tokens: no proposal, a plain step.
+        [
+            {"k": "append", **seq, "tokens": 8},
+            {"k": "cache", "block": 3},
+            {"k": "free", **seq, "blocks": [0, 1, 2, 3]},
+            {"k": "finish", "req": "a"},
+        ],
+    ]
+    for record in records:
+        state.apply_all(record["ev"])
+    assert state == PoolState.of(engine.kv) and not any(state.ref)
 
 
 def test_recording_can_start_mid_run() -> None:

@@ -14,6 +14,7 @@ from pagedllm.bench import (
     scale_out,
     serve,
     spec_decode,
+    spec_streams,
     structured,
     sweep_benches,
 )
@@ -24,7 +25,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     sweep_benches.add_parsers(sub)
     engine_benches.add_parsers(sub)
-    for module in (quality, structured, spec_decode, serve, scale_out, report):
+    for module in (quality, structured, spec_decode, spec_streams, serve, scale_out, report):
         module.add_parser(sub)
     for parser in sub.choices.values():
         run = parser.get_default("func")

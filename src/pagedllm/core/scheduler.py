@@ -345,7 +345,7 @@ class Scheduler:
             for seq in req.seqs:
                 token_ids: list[int] = seq.token_ids
                 if draft:
-                    self.kv.trim_slots(seq.seq_id, req.num_computed_tokens)
+                    self.kv.trim_slots(seq.seq_id, req.num_computed_tokens, len(draft))
                     token_ids = [*seq.token_ids, *kept]
                 self.kv.cache_computed_blocks(seq.seq_id, token_ids, req.num_computed_tokens)
 

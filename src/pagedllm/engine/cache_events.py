@@ -119,3 +119,8 @@ class CacheEventCollector(StepListener):
         self, seq_id: int, table: TableView, dropped: list[tuple[int, int]], group: int = 0
     ) -> None:
         pass
+
+    def on_trimmed(
+        self, seq_id: int, table: TableView, given_back: list[int], lookahead: int, group: int = 0
+    ) -> None:
+        pass

@@ -222,6 +222,26 @@ class KVRecorder(StepListener):
             }
         )
 
+    def on_trimmed(
+        self, seq_id: int, table: TableView, given_back: list[int], lookahead: int, group: int = 0
+    ) -> None:
+        key = (seq_id, group)
+        self._events.append(
+            {
+                "k": "trim",
+                "seq": seq_id,
+                "req": self._owner.get(seq_id),
+                **_group_field(group),
+                "tokens": table.num_tokens,
+                "blocks": given_back[::-1],  # in table order: they left it last first
+                "la": lookahead,
+            }
+        )
+        self._length[key] = len(table.blocks)
+        self._seen_tokens[key] = table.num_tokens
+        if group == 0:
+            self._tokens[seq_id] = table.num_tokens
+
     # ---------------------------------------------------------------- helpers
     def _seen(self, kv: KVCacheManager) -> None:
         """Take the tables that exist now as the starting point."""

@@ -82,6 +82,12 @@ class KVHooks:
         for listener in self.listeners:
             listener.on_dropped(seq_id, table, dropped, group=group)
 
+    def on_trimmed(
+        self, seq_id: int, table: TableView, given_back: list[int], lookahead: int, group: int = 0
+    ) -> None:
+        for listener in self.listeners:
+            listener.on_trimmed(seq_id, table, given_back, lookahead, group=group)
+
 
 class Listeners:
     """An engine's listeners, called in the order they were added."""

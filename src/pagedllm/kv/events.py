@@ -24,6 +24,12 @@ Replaying them in order from the pool they started from gives the pool exactly
   drop     seq req upto blocks           a sliding-window table gave back `blocks`: its
                                          entries before `upto` are now the null block
                                          (-1 here; reference counts -1)
+  trim     seq req tokens blocks la      a check of proposals ended (speculative
+                                         decoding): the table had claimed `la` lookahead
+                                         slots for them, its last ones; it now claims
+                                         `tokens` slots (the kept proposals'), and
+                                         `blocks`, which held only rejected proposals,
+                                         left its end for the pool (reference counts -1)
   cache    block                         the block's full content joins the prefix cache
   evict    block                         a cached free block is reused: its entry is gone
   reset                                  the prefix cache forgot every entry
@@ -92,4 +98,12 @@ class KVListener(PoolListener, Protocol):
     ) -> None:
         """A window group's table gave back `dropped` ((index, block) pairs): those
         entries are now the null block."""
+        ...
+
+    def on_trimmed(
+        self, seq_id: int, table: TableView, given_back: list[int], lookahead: int, group: int = 0
+    ) -> None:
+        """Proposals were checked: the table, whose last `lookahead` slots were claimed
+        for them, now claims only the kept ones; `given_back` blocks (the table's last,
+        holding only rejected proposals) went back to the pool."""
         ...

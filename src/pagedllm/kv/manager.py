@@ -245,16 +245,17 @@ class KVCacheManager:
                 self.listener.on_grown(seq_id, table, copies, group=g)
         return True
 
-    def trim_slots(self, seq_id: int, num_tokens: int) -> None:
+    def trim_slots(self, seq_id: int, num_tokens: int, lookahead: int = 0) -> None:
         """Shrink the sequence's tables to `num_tokens` tokens in every group: the slots
         claimed for proposed tokens that were rejected come back, and a block holding
-        only such tokens returns to the pool (speculative decoding)."""
+        only such tokens returns to the pool (speculative decoding). `lookahead`: how
+        many of the slots the tables claim now were claimed for proposals (listeners
+        hear of every check, one that kept all its proposals too)."""
         for g, table in enumerate(self.tables[seq_id].groups):
             before = table.num_tokens
-            table.truncate(num_tokens)
-            if table.num_tokens != before and self.listener is not None:
-                # The recorder reads the table anew: fewer tokens (and maybe blocks).
-                self.listener.on_grown(seq_id, table, [], group=g)
+            given_back = table.truncate(num_tokens)
+            if (lookahead or table.num_tokens != before) and self.listener is not None:
+                self.listener.on_trimmed(seq_id, table, given_back, lookahead, group=g)
 
     def admit(
         self,

@@ -106,6 +106,14 @@ class PoolState:
             for block in event["blocks"]:
                 self.ref[block] -= 1
             table.blocks[: event["upto"]] = [-1] * event["upto"]
+        elif kind == "trim":
+            table = self.tables[key]
+            given = event["blocks"]
+            for block in given:
+                self.ref[block] -= 1
+            # The blocks given back are the table's last ones.
+            del table.blocks[len(table.blocks) - len(given) :]
+            table.tokens = event["tokens"]
         elif kind == "cache":
             self.cached[event["block"]] = True
         elif kind == "evict":

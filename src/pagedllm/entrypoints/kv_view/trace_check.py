@@ -24,6 +24,7 @@ _EVENT_FIELDS: dict[str, dict[str, str]] = {
     "fork": {"seq": "id", "req": "req", "parent": "id"},
     "free": {"seq": "id", "req": "req", "blocks": "entries"},
     "drop": {"seq": "id", "req": "req", "upto": "count", "blocks": "blocks"},
+    "trim": {"seq": "id", "req": "req", "tokens": "count", "blocks": "blocks", "la": "count"},
     "cache": {"block": "block"},
     "evict": {"block": "block"},
     "reset": {},

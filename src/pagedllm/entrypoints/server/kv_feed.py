@@ -172,7 +172,7 @@ def _summary(records: list[Record], max_points: int = 300, max_notes: int = 150)
     log: list[Record] = []
     count = 0
     for r in reversed(records):
-        notes = [e for e in r["ev"] if e["k"] not in ("append", "text", "cache")]
+        notes = [e for e in r["ev"] if not _busy(e)]
         if notes:
             log.append({"step": r["step"], "ev": notes[-(max_notes - count) :]})
             count += len(log[-1]["ev"])
@@ -180,3 +180,10 @@ def _summary(records: list[Record], max_points: int = 300, max_notes: int = 150)
             break
     log.reverse()
     return {"series": series, "log": log}
+
+
+def _busy(event: Record) -> bool:
+    """One of the kinds every step brings many of: growing tables, text, cache entries,
+    and checks of proposals that gave no block back."""
+    kind = event["k"]
+    return kind in ("append", "text", "cache") or (kind == "trim" and not event["blocks"])

@@ -6,6 +6,9 @@
 (function () {
   const CONFIG = JSON.parse(document.getElementById("kv-config").textContent);
   const NOISY = new Set(["append", "cache", "text"]);
+  // The busy kinds the log hides unless asked: a check of proposals that gave back no
+  // block is one per speculating sequence and step.
+  const isNoisy = (e) => NOISY.has(e.k) || (e.k === "trim" && !e.blocks.length);
   const $ = (id) => document.getElementById(id);
   // Every node is built with textContent, never innerHTML: request ids, token text and
   // a replay file's figures are data, and data must never become markup.
@@ -39,6 +42,15 @@
       this.text = new Map(); // block -> its tokens' text (text mode only)
       this.dirty = new Set(); // blocks whose fill must be worked out again
       this.flash = new Map(); // block -> kind, for blocks copied/forked/hit lately
+      // Block -> the lookahead slots claimed in it for proposals checked lately (speculative
+      // decoding), as slot indexes in the block: lo..hi were claimed, lo..kept hold kept
+      // proposals; `given`: the whole block went back to the pool.
+      this.lookahead = new Map();
+    }
+
+    clearFlash() {
+      this.flash.clear();
+      this.lookahead.clear();
     }
 
     static fromSnapshot(pool, text) {
@@ -95,6 +107,7 @@
             this.holders[b].push([e.seq, s.blocks.length]);
             s.blocks.push(b);
             this.text.delete(b);
+            this.lookahead.delete(b);
           }
           s.tokens = e.tokens;
           this.markTokens(e.seq, old, s.tokens);
@@ -162,6 +175,29 @@
           for (let i = 0; i < e.upto; i++) s.blocks[i] = -1;
           break;
         }
+        case "trim": { // proposals checked: the lookahead slots of rejected ones go back
+          const s = this.seqs.get(e.seq);
+          const before = s.tokens;
+          const first = before - e.la; // the first lookahead slot
+          const gone = s.blocks.splice(s.blocks.length - e.blocks.length, e.blocks.length);
+          const all = s.blocks.concat(gone);
+          for (let i = Math.max(0, Math.floor(first / this.bs)); i < all.length; i++) {
+            const at = i * this.bs;
+            const lo = Math.max(0, first - at);
+            const hi = Math.min(this.bs, before - at);
+            if (all[i] < 0 || hi <= lo) continue;
+            const kept = Math.max(lo, Math.min(hi, e.tokens - at));
+            this.lookahead.set(all[i], { lo, kept, hi, req: s.req, given: i >= s.blocks.length });
+          }
+          for (const b of gone) {
+            this.ref[b] -= 1;
+            this.unhold(b, e.seq);
+            this.text.delete(b);
+          }
+          s.tokens = e.tokens;
+          this.markTokens(e.seq, e.tokens, before);
+          break;
+        }
         case "cache": this.cached[e.block] = 1; break;
         case "evict": this.cached[e.block] = 0; this.text.delete(e.block); break;
         case "reset": this.cached.fill(0); break;
@@ -226,6 +262,43 @@
     `hsla(${hue(req).toFixed(0)}, 70%, ${light}%, ${alpha === undefined ? 1 : alpha})`;
   const FLASH = { cow: "#f5c451", fork: "#d2a8ff", hit: "#3fd0c0" };
   const short = (id) => (id.length > 14 ? "…" + id.slice(-10) : id);
+
+  // Diagonal lines over a rectangle: the mark of lookahead slots.
+  function hatch(ctx, x, y, w, h, color) {
+    if (w <= 0 || h <= 0) return;
+    ctx.save();
+    ctx.beginPath();
+    ctx.rect(x, y, w, h);
+    ctx.clip();
+    ctx.strokeStyle = color;
+    ctx.lineWidth = 1;
+    ctx.beginPath();
+    for (let d = -h; d < w; d += 4) {
+      ctx.moveTo(x + d, y + h);
+      ctx.lineTo(x + d + h, y);
+    }
+    ctx.stroke();
+    ctx.restore();
+  }
+
+  // A grid cell's lookahead slots (slots fill a cell bottom up): the kept proposals'
+  // slots hatched in white, the rejected ones' hatched and outlined with a dashed line in
+  // the request's colour, a whole block given back outlined dashed.
+  function drawLookahead(ctx, x, y, sz, la, bs) {
+    const top = (slot) => y + sz - (sz * slot) / bs;
+    const req = String(la.req ?? "?");
+    hatch(ctx, x, top(la.kept), sz, top(la.lo) - top(la.kept), "rgba(255, 255, 255, 0.8)");
+    const h = top(la.kept) - top(la.hi);
+    ctx.setLineDash([2, 2]);
+    ctx.strokeStyle = col(req, 70);
+    ctx.lineWidth = 1;
+    if (h > 0) {
+      hatch(ctx, x, top(la.hi), sz, h, col(req, 58, 0.7));
+      ctx.strokeRect(x + 0.5, top(la.hi) + 0.5, sz - 1, h - 1);
+    }
+    if (la.given) ctx.strokeRect(x + 1.5, y + 1.5, sz - 3, sz - 3);
+    ctx.setLineDash([]);
+  }
 
   // ------------------------------------------------------------------ the view
   const view = {
@@ -329,6 +402,8 @@
           }
         }
       }
+      const la = pool.lookahead.get(b);
+      if (la) drawLookahead(ctx, x, y, sz, la, pool.bs);
       const flash = pool.flash.get(b);
       if (flash || mine || b === view.hover) {
         ctx.globalAlpha = 1;
@@ -340,6 +415,9 @@
     ctx.globalAlpha = 1;
     document.body.dataset.drawnBlocks = String(pool.n);
     document.body.dataset.usedBlocks = String(used);
+    // Blocks drawn with lookahead slots, and those of them given back (for tests).
+    document.body.dataset.lookaheadBlocks = String(pool.lookahead.size);
+    document.body.dataset.givenBlocks = String([...pool.lookahead.values()].filter((l) => l.given).length);
     $("poolinfo").textContent = `${pool.n} blocks × ${pool.bs} tokens`;
   }
 
@@ -407,6 +485,11 @@
         ctx.fillRect(x, y, bw - 2, 22);
         ctx.fillStyle = col(sel, 55);
         ctx.fillRect(x, y, (bw - 2) * f, 22);
+        const la = pool.lookahead.get(b);
+        if (la) { // lookahead slots of kept proposals (the rejected ones' slots are gone)
+          const w = (bw - 2) / pool.bs;
+          hatch(ctx, x + la.lo * w, y, (la.kept - la.lo) * w, 22, "rgba(255, 255, 255, 0.8)");
+        }
         if (bw >= 24) {
           ctx.fillStyle = "#0d1117";
           ctx.fillText(String(i), x + 4, y + 11);
@@ -577,6 +660,8 @@
       case "cow": return `seq ${e.seq}${who} copies block ${e.src} → ${e.dst} (logical ${e.index})`;
       case "fork": return `seq ${e.seq} ← seq ${e.parent}${who} shares its blocks`;
       case "free": return `seq ${e.seq}${who} frees ${e.blocks.length} block${e.blocks.length === 1 ? "" : "s"}`;
+      case "trim": return `seq ${e.seq}${who} checked ${e.la} proposal${e.la === 1 ? "" : "s"} → ${e.tokens} slots${e.blocks.length ? `, gave back [${e.blocks.join(",")}]` : ""}`;
+      case "drop": return `seq ${e.seq}${who} gives back [${e.blocks.join(",")}] behind its window`;
       case "cache": return `block ${e.block} joins the prefix cache`;
       case "evict": return `block ${e.block} evicted from the prefix cache`;
       case "reset": return "prefix cache reset";
@@ -590,7 +675,7 @@
     const rows = [];
     for (let i = view.log.length - 1; i >= 0 && rows.length < 250; i--) {
       const [step, e] = view.log[i];
-      if (!noisy && NOISY.has(e.k)) continue;
+      if (!noisy && isNoisy(e)) continue;
       const row = el("div", "ev");
       row.append(el("span", "s", step), el("span", `k k-${e.k}`, e.k), el("span", "t", describe(e)));
       rows.push(row);
@@ -723,7 +808,7 @@
   }
 
   function liveUpdate(msg) {
-    view.pool.flash.clear();
+    view.pool.clearFlash();
     for (const rec of msg.records) {
       applyRecord(rec, true);
       view.series.push(point(rec.step, rec.st));
@@ -813,7 +898,7 @@
       view.series.push(point(rec.step, rec.st));
       if ((i + 1) % K === 0) {
         p.settle();
-        p.flash.clear();
+        p.clearFlash();
         frames.push(p.clone());
       }
     });
@@ -823,7 +908,7 @@
       const f = Math.floor(n / K);
       const pool = frames[f].clone();
       for (let i = f * K; i < n; i++) {
-        if (i === n - 1) pool.flash.clear();
+        if (i === n - 1) pool.clearFlash();
         for (const e of records[i].ev) pool.apply(e);
       }
       pool.settle();
