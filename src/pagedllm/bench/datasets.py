@@ -28,12 +28,18 @@ SHIPPED_TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 COPY_CHARS = 600  # of each paragraph: a prompt of about 150 tokens
 
 
+def shipped_paragraphs() -> list[str]:
+    """The paragraphs of the text the package ships that are long enough to copy (over 200
+    characters), in order."""
+    text = SHIPPED_TEXT.read_text(encoding="utf-8")
+    return [p.strip() for p in text.split("\n\n") if len(p.strip()) > 200]
+
+
 def copy_prompts(tokenizer: Any, count: int) -> list[list[int]]:
     """`count` chat prompts (token ids) asking the model to repeat a paragraph of the text
     the package ships, the longest paragraphs first, cycled when there are fewer: outputs
     that copy their inputs, where prompt-lookup speculation pays."""
-    paragraphs = [p.strip() for p in SHIPPED_TEXT.read_text(encoding="utf-8").split("\n\n")]
-    paragraphs = sorted((p for p in paragraphs if len(p) > 200), key=len, reverse=True)
+    paragraphs = sorted(shipped_paragraphs(), key=len, reverse=True)
     return [
         encode_chat(
             tokenizer,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench import options
+from pagedllm.bench.datasets import COPY_CHARS, shipped_paragraphs
 from pagedllm.bench.output import Plot, ratio, write_outputs
 from pagedllm.bench.sweep import build_engine
 from pagedllm.engine.llm_engine import LLMEngine
@@ -88,9 +89,9 @@ def workload_list(text: str) -> list[str]:
 
 # ------------------------------------------------------------------ the prompts
 def paragraphs() -> list[str]:
-    """The paragraphs of quality_text.txt long enough to copy, each cut to 600 characters."""
-    text = (DATA / "quality_text.txt").read_text(encoding="utf-8")
-    return [p.strip()[:600] for p in text.split("\n\n") if len(p.strip()) > 200]
+    """The shipped paragraphs long enough to copy, each cut as `bench serve --dataset copy`
+    cuts them."""
+    return [p[:COPY_CHARS] for p in shipped_paragraphs()]
 
 
 def questions() -> list[str]:
