@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedllm.core.scheduler import ScheduledSeq, SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.runner import SampledTokens, SampleRow
@@ -70,6 +70,17 @@ class _DraftCursor:
 
     computed: int  # positions below hold the draft's K/V of the sequence's own tokens
     pending: list[int]  # tokens from `computed` on that the target has, the draft not yet
+
+
+@dataclass(frozen=True)
+class _Speculating:
+    """A sequence that proposes this step: its sample row, how many proposals, where
+    they go (from `chunk_end` on) and its block tables."""
+
+    row: int
+    k: int
+    chunk_end: int
+    block_tables: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -151,7 +162,7 @@ class DraftProposer:
         ids: list[int] = []
         starts, lens, tables, logits_at = [], [], [], []
         planned: list[_Planned] = []
-        spec: list[tuple[int, ScheduledSeq]] = []  # (row, scheduled sequence)
+        spec: list[_Speculating] = []
         for n, s in enumerate(step.seqs):
             k = len(s.draft_token_ids)
             chunk = s.token_ids[: len(s.token_ids) - k]
@@ -161,10 +172,11 @@ class DraftProposer:
             lens.append(len(cursor.pending) + len(chunk))
             tables.append(s.block_tables)
             row = row_of.get(s.seq_id, -1) if k else -1
-            planned.append(_Planned(s.seq_id, s.start_pos + len(chunk), row))
+            chunk_end = s.start_pos + len(chunk)
+            planned.append(_Planned(s.seq_id, chunk_end, row))
             if row >= 0:
                 logits_at.append(n)
-                spec.append((row, s))
+                spec.append(_Speculating(row, k, chunk_end, s.block_tables))
         hidden, last = self.runner.run_tokens(cache, ids, starts, lens, tables, logits_at)
         drawn = self._draw(hidden[last], spec, rows, generators) if spec else {}
         self._planned = [
@@ -172,7 +184,7 @@ class DraftProposer:
         ]
         if not spec:
             return step, list(rows), None, {}
-        by_seq = {s.seq_id: drawn[row][0] for row, s in spec}
+        by_seq = {rows[x.row].seq_id: drawn[x.row][0] for x in spec}
         seqs = tuple(
             replace(s, token_ids=(*s.token_ids[: -len(p)], *p), draft_token_ids=p)
             if (p := by_seq.get(s.seq_id)) is not None
@@ -188,7 +200,7 @@ class DraftProposer:
     def _draw(
         self,
         hidden: torch.Tensor,
-        spec: list[tuple[int, ScheduledSeq]],
+        spec: list[_Speculating],
         rows: Sequence[SampleRow],
         generators: Sequence[torch.Generator | None],
     ) -> dict[int, tuple[tuple[int, ...], torch.Tensor]]:
@@ -196,20 +208,18 @@ class DraftProposer:
         `hidden` (the last tokens' states), the others one draft step each, batched."""
         model, cache = self.runner.model, self.runner.kv_cache
         assert cache is not None
-        ks = [len(s.draft_token_ids) for _, s in spec]
+        ks = [x.k for x in spec]
         tokens: list[list[int]] = [[] for _ in spec]
         dists: list[list[torch.Tensor]] = [[] for _ in spec]
         active = list(range(len(spec)))
         logits = model.compute_logits(hidden)
         j = 0
         while True:
-            pos_rows = [
-                position_rows(
-                    SpecRow(rows[spec[a][0]], tokens[a], rows[spec[a][0]].num_output_tokens)
-                )[-1]
-                for a in active
-            ]
-            gens = [generators[spec[a][0]] for a in active]
+            pos_rows = []
+            for a in active:
+                row = rows[spec[a].row]
+                pos_rows.append(position_rows(SpecRow(row, tokens[a], row.num_output_tokens))[-1])
+            gens = [generators[spec[a].row] for a in active]
             new, q = draw_proposals(logits, pos_rows, gens, self.generator)
             for m, a in enumerate(active):
                 tokens[a].append(new[m])
@@ -222,17 +232,13 @@ class DraftProposer:
             hidden, last = self.runner.run_tokens(
                 cache,
                 [tokens[a][j - 1] for a in active],
-                [self._chunk_end(spec[a][1]) + j - 1 for a in active],
+                [spec[a].chunk_end + j - 1 for a in active],
                 [1] * len(active),
-                [spec[a][1].block_tables for a in active],
+                [spec[a].block_tables for a in active],
                 list(range(len(active))),
             )
             logits = model.compute_logits(hidden[last])
-        return {row: (tuple(tokens[a]), torch.stack(dists[a])) for a, (row, _) in enumerate(spec)}
-
-    @staticmethod
-    def _chunk_end(s: ScheduledSeq) -> int:
-        return s.start_pos + len(s.token_ids) - len(s.draft_token_ids)
+        return {x.row: (tuple(tokens[a]), torch.stack(dists[a])) for a, x in enumerate(spec)}
 
     def after_step(self, sampled: SampledTokens) -> None:
         """The target checked the proposals: each sequence's draft K/V holds its tokens up
