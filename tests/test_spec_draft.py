@@ -7,7 +7,8 @@ chunking, preemption and prefix-cache hits) and with a different random model of
 vocabulary (most proposals rejected); batched, chunked, preempted, prefix-cached, with the
 pool whole after every run. Rejection sampling with the draft's own distributions keeps
 the target's distribution (chi-square); seeded sampling is reproducible and does not
-depend on the batch; the int8 self-draft; the refusals; the bench's draft mode.
+depend on the batch; the int8 self-draft; the refusals; the server and the bench's draft
+mode.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from hf_oracle import hf_greedy, load_hf, make_tiny_model
-from live_server import build_chat_model
+from live_server import NAME, build_chat_model, start_server
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.cli import build_parser, main
@@ -220,6 +222,20 @@ def test_flags_and_the_bench_draft_mode(tmp_path, tmp_path_factory, capsys):
     off, self_draft = json.loads((out / "spec.json").read_text())["results"]
     assert off["mode"] == "off" and self_draft["mode"] == f"draft {model} k=4"
     assert self_draft["same_tokens"] and self_draft["acceptance_rate"] == 1.0
+
+
+def test_the_server_speculates_with_a_draft(chat_model_dir, offline):
+    live = start_server(chat_model_dir, draft(chat_model_dir))
+    try:
+        body = {"model": NAME, "prompt": "one two three one two", "max_tokens": 12}
+        r = httpx.post(live.url + "/v1/completions", json={**body, "temperature": 0})
+        assert r.status_code == 200, r.text
+        want = offline.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=12))
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        assert live.metrics()["pagedllm:spec_decode_num_draft_tokens_total"] > 0
+        live.assert_pool_whole()
+    finally:
+        live.close()
 
 
 @pytest.mark.slow
