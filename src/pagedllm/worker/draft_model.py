@@ -194,7 +194,9 @@ class DraftProposer:
         new_rows = [
             replace(r, draft_token_ids=drawn[i][0]) if i in drawn else r for i, r in enumerate(rows)
         ]
-        q = torch.cat([drawn[i][1] for i in sorted(drawn)])
+        # Greedy rows are checked by argmax alone: their q need not be handed over.
+        greedy = all(rows[i].params.greedy for i in drawn)
+        q = None if greedy else torch.cat([drawn[i][1] for i in sorted(drawn)])
         return replace(step, seqs=seqs), new_rows, q, {i: drawn[i][0] for i in drawn}
 
     def _draw(
