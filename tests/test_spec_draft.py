@@ -134,7 +134,7 @@ def test_int8_self_draft_changes_no_token(tiny_llama_dir, prompts, plain):
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(
-    tiny_llama_dir, other_draft, prompts
+    tiny_llama_dir, other_draft, prompts, plain
 ):
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=12, ignore_eos=True, seed=7)
     options = draft(other_draft, k=3)
@@ -145,6 +145,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(
     assert batched[:1] == alone
     snap = llm.engine.snapshot()
     assert 0 < snap.spec_accepted_tokens < snap.spec_proposed_tokens
+    # Beside greedy requests (checked by argmax, with no q of theirs): both unchanged.
+    mixed, _ = run(tiny_llama_dir, prompts, [params, *[GREEDY] * 3], **options)
+    assert mixed == alone + plain[1:]
 
 
 def test_rejection_sampling_with_the_drafts_distribution_keeps_the_targets() -> None:
