@@ -26,7 +26,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.cli import build_parser, main
 from pagedllm.entrypoints.engine_args import engine_options
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import InvalidParameterError, ModelLoadError
 from pagedllm.worker.draft_model import draw_proposals
 from pagedllm.worker.runner import SampleRow
 from pagedllm.worker.spec_verify import SpecRow, SpecVerifier
@@ -174,6 +174,8 @@ def test_rejection_sampling_with_the_drafts_distribution_keeps_the_targets() -> 
 
 def test_refusals_name_the_option(tiny_llama_dir, tmp_path_factory):
     small_vocab = make_tiny_model(tmp_path_factory.mktemp("vocab-64"), "llama", vocab_size=64)
+    with pytest.raises(ModelLoadError, match="speculative_model: model path"):
+        LLM(str(tiny_llama_dir), **draft(tiny_llama_dir / "missing"))
     with pytest.raises(InvalidParameterError) as err:
         LLM(str(tiny_llama_dir), **draft(small_vocab))
     assert err.value.param == "speculative_model" and "vocabulary" in str(err.value)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pagedllm.errors import ModelLoadError
 from pagedllm.loader import LoadedModel, load_model, resolve_model_path
 from pagedllm.worker.model_runner import TorchModelRunner
 from pagedllm.worker.options import RunnerOptions
@@ -78,6 +79,9 @@ def build_runner(
 def _draft_model(path: str, target: LoadedModel) -> LoadedModel:
     """The draft model at `path`: the target's own weights when it names the same file
     (a self-draft, e.g. quantized; each model copies the weights it computes with)."""
-    if os.path.realpath(resolve_model_path(path)) == os.path.realpath(target.source):
-        return target
-    return load_model(path)
+    try:
+        if os.path.realpath(resolve_model_path(path)) == os.path.realpath(target.source):
+            return target
+        return load_model(path)
+    except ModelLoadError as exc:  # say which of the two models it was
+        raise ModelLoadError(f"speculative_model: {exc}") from exc
