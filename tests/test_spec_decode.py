@@ -265,8 +265,8 @@ def test_options_flags_and_refusals():
     assert EngineConfig().speculative_config is None
     for kwargs, param in (
         (
-            dict(speculative_method="draft", num_speculative_tokens=2, speculative_model="m"),
-            "speculative_method",
+            dict(speculative_method="ngram", num_speculative_tokens=2, speculative_model="m"),
+            "speculative_model",
         ),
         (dict(speculative_method="ngram"), "num_speculative_tokens"),
         (dict(num_speculative_tokens=2), "num_speculative_tokens"),

@@ -1,12 +1,13 @@
-"""`pagedllm bench spec`: what n-gram speculative decoding buys at one stream.
+"""`pagedllm bench spec`: what speculative decoding buys at one stream.
 
 A workload whose outputs copy their inputs (the model is asked to repeat paragraphs of
 the text the package ships, bench/data/quality_text.txt), run one request at a time,
 greedy, without speculation and then with `--speculative-method ngram` (default k 4,
-prompt lookup 2..4 when the flags are not given). Per mode: time per output token
-(TPOT: from the first token to the last, per token), tokens per second, the acceptance
-rate and the mean accepted length; and whether the tokens equal those without
-speculation (greedy: they must).
+prompt lookup 2..4 when the flags are not given) or, with `--speculative-method draft
+--speculative-model M [--speculative-quantization int8]`, a draft model's proposals.
+Per mode: time per output token (TPOT: from the first token to the last, per token),
+tokens per second, the acceptance rate and the mean accepted length; and whether the
+tokens equal those without speculation (greedy: they must).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ NGRAM_DEFAULTS = dict(num_speculative_tokens=4, prompt_lookup_min=2, prompt_look
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "spec", help="n-gram speculative decoding at one stream: TPOT with vs without"
+        "spec",
+        help="speculative decoding (n-gram, or a draft model) at one stream: TPOT with vs without",
     )
     options.add_bench_args(p, "spec", run, engine={"kv_cache_memory": "1GiB"})
     p.add_argument("--num-prompts", type=int, default=4, help="paragraphs repeated, one at a time")
@@ -90,33 +92,51 @@ def one_stream(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     }
 
 
+SPEC_KEYS = (
+    "speculative_method",
+    "speculative_model",
+    "speculative_quantization",
+    *NGRAM_DEFAULTS,
+)
+
+
+def speculation_options(opts: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The speculation the flags ask for (n-gram with its bench defaults unless
+    `--speculative-method draft`), and its label in the table."""
+    k = opts.get("num_speculative_tokens") or NGRAM_DEFAULTS["num_speculative_tokens"]
+    if opts.get("speculative_method") == "draft" or opts.get("speculative_model"):
+        spec = {
+            "speculative_method": "draft",
+            "num_speculative_tokens": k,
+            "speculative_model": opts.get("speculative_model"),
+            "speculative_quantization": opts.get("speculative_quantization"),
+        }
+        quant = f" {spec['speculative_quantization']}" if spec["speculative_quantization"] else ""
+        return spec, f"draft {spec['speculative_model']}{quant} k={k}"
+    spec = {"speculative_method": "ngram"} | {
+        key: v if opts.get(key) is None else opts[key] for key, v in NGRAM_DEFAULTS.items()
+    }
+    label = f"ngram k={k} lookup {spec['prompt_lookup_min']}..{spec['prompt_lookup_max']}"
+    return spec, label
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = options.get_loaded(args.model)
     opts = engine_options(args)
-    spec_opts = {"speculative_method": "ngram"} | {
-        k: v if opts.get(k) is None else opts[k] for k, v in NGRAM_DEFAULTS.items()
-    }
-    for key in ("speculative_method", *NGRAM_DEFAULTS):
+    spec_opts, spec_label = speculation_options(opts)
+    for key in SPEC_KEYS:
         opts[key] = None
     rows, base = [], None
-    for mode, extra in (("off", {}), ("ngram", spec_opts)):
+    for mode, extra in (("off", {}), (spec_label, spec_opts)):
         engine, _ = engine_over_runner(EngineConfig(**(opts | extra)), loaded)
         prompts = copy_prompts(engine, args.num_prompts)
         one_stream(engine, prompts[:1], 4)  # warm-up
         got = one_stream(engine, prompts, args.max_tokens)
         snap = engine.snapshot()
         base = got if base is None else base
-        label = (
-            mode
-            if mode == "off"
-            else (
-                f"ngram k={spec_opts['num_speculative_tokens']} lookup "
-                f"{spec_opts['prompt_lookup_min']}..{spec_opts['prompt_lookup_max']}"
-            )
-        )
         rows.append(
             {
-                "mode": label,
+                "mode": mode,
                 "tpot_ms": round(got["tpot"] * 1000, 2),
                 "tokens_per_s": round(got["tokens_per_s"], 1),
                 "steps": got["steps"],

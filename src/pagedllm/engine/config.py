@@ -78,11 +78,13 @@ class EngineConfig:
     # interface), port * for any free one; None: no events.
     kv_events_endpoint: str | None = None
     # Speculative decoding (spec/config.py, docs/speculative.md): "ngram" proposes the
-    # next num_speculative_tokens tokens by prompt lookup and the model checks them in
-    # one step; None: one token per step. "draft" (a smaller model) is not available yet.
+    # next num_speculative_tokens tokens by prompt lookup, "draft" has a smaller model
+    # with the same vocabulary (speculative_model, a path or packaged name as `model`)
+    # propose them, and the model checks them in one step; None: one token per step.
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
     speculative_model: str | None = None
+    speculative_quantization: str | None = None  # "int8": the draft's linear layers in int8
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     speculative_disable_by_batch_size: int | None = None
@@ -98,17 +100,12 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _at_least(self, name, 1)
+        spec = self.speculative_config  # before the runner's options: its messages first
         self.runner_options  # noqa: B018 - built now, so that its own checks run at creation
         check_policy(self.kv_reservation)
         if not 0 <= self.watermark < 1:
             raise InvalidParameterError(
                 "watermark", f"watermark must be in [0, 1), got {self.watermark}"
-            )
-        spec = self.speculative_config
-        if spec is not None and spec.method == "draft":
-            raise InvalidParameterError(
-                "speculative_method",
-                "speculative_method 'draft' (a draft model) is not available yet: use 'ngram'",
             )
         if spec is not None and self.kv_reservation != "paged":
             raise InvalidParameterError(
@@ -141,6 +138,7 @@ class EngineConfig:
             self.prompt_lookup_min,
             self.prompt_lookup_max,
             self.speculative_disable_by_batch_size,
+            self.speculative_quantization,
         )
 
     def pool_size(

@@ -19,10 +19,11 @@ fails only the requests of that step. A failed request is aborted (its blocks fr
 comes back as a finished RequestOutput with `error` set; the others go on as they would
 have.
 
-Speculative decoding (`speculative_method="ngram"`, engine/speculation.py): before a step
-each eligible decoding request gets proposed tokens, the step checks them in one forward
-pass over k+1 positions, and the request keeps the accepted ones (cut at a stop, EOS or
-max_tokens as if drawn one by one) plus the model's own next token.
+Speculative decoding (`speculative_method="ngram"` or `"draft"`, engine/speculation.py):
+before a step each eligible decoding request gets proposed tokens (a draft model's are
+drawn by the runner, which reports them with the step's tokens), the step checks them in
+one forward pass over k+1 positions, and the request keeps the accepted ones (cut at a
+stop, EOS or max_tokens as if drawn one by one) plus the model's own next token.
 
 Outside code reads the engine through `snapshot()` and listens through `add_listener()`
 (engine/listeners.py) or `record_kv()`; nothing outside engine/ touches its scheduler,
@@ -328,6 +329,7 @@ class LLMEngine:
             return self._forward_failed(step, rows, exc)
         accepted: dict[str, list[int]] = {}
         if self.speculation is not None:
+            step = self.speculation.with_proposals(step, rows, sampled)
             accepted = self.speculation.accepted(step, rows, sampled)
         self.scheduler.update_from_output(step, accepted)
         # Forked once the prompt's blocks are hashed: the samples inherit the hashes

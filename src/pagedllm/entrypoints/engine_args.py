@@ -19,6 +19,7 @@ from typing import Any
 from pagedllm.core.reservation import RESERVATION_POLICIES
 from pagedllm.engine.config import EngineConfig
 from pagedllm.kv.block_table import MAX_BLOCK_SIZE
+from pagedllm.spec.config import DRAFT_QUANTIZATIONS
 from pagedllm.worker.options import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
@@ -98,12 +99,23 @@ OPTIONS = (
     ),
     _Option(
         "speculative_method",
-        "speculative decoding: ngram proposes tokens by prompt lookup and the model checks "
-        "them in one step (draft, a draft model, is not available yet)",
+        "speculative decoding: ngram proposes tokens by prompt lookup, draft by a smaller "
+        "model with the same vocabulary (--speculative-model); the model checks them in one "
+        "step",
         choices=("ngram", "draft"),
     ),
     _Option("num_speculative_tokens", "tokens proposed per sequence and step (1..128)", int),
-    _Option("speculative_model", "the draft model (speculative method draft)"),
+    _Option(
+        "speculative_model",
+        "the draft model (speculative method draft): a .gguf file, a Hugging Face directory "
+        "or a packaged model, as --model",
+    ),
+    _Option(
+        "speculative_quantization",
+        "int8: the draft model's linear layers in int8 (CPU, float32; e.g. the target "
+        "itself as a cheaper draft)",
+        choices=DRAFT_QUANTIZATIONS,
+    ),
     _Option("prompt_lookup_min", "ngram: shortest suffix looked up (default 5)", int),
     _Option("prompt_lookup_max", "ngram: longest suffix looked up (default 5)", int),
     _Option(

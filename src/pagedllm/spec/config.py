@@ -2,7 +2,8 @@
 checks them, as one frozen, validated dataclass.
 
 `method` "ngram" guesses by prompt lookup (spec/ngram.py); "draft" asks a smaller model
-(`speculative_model`). A bad value raises InvalidParameterError naming the engine option
+(`speculative_model`, optionally run with int8 linear layers: `speculative_quantization`;
+worker/draft_model.py). A bad value raises InvalidParameterError naming the engine option
 the user set (`speculative_method`, `num_speculative_tokens`, ...), so that the CLI and
 the server report the flag as it was given. `speculative_config_from` builds it from the
 engine's options, None when speculation is off. Plain Python.
@@ -17,6 +18,8 @@ from pagedllm.errors import InvalidParameterError
 
 SpeculativeMethod = Literal["ngram", "draft"]
 METHODS: tuple[str, ...] = ("ngram", "draft")
+# How the draft model's linear layers may compute (None: as its weights are).
+DRAFT_QUANTIZATIONS: tuple[str, ...] = ("int8",)
 # vLLM's rejection sampler takes at most this many proposed tokens per sequence.
 MAX_SPECULATIVE_TOKENS = 128
 # vLLM's prompt-lookup defaults, when neither bound is given.
@@ -29,6 +32,7 @@ OPTION_OF_FIELD = {
     "prompt_lookup_min": "prompt_lookup_min",
     "prompt_lookup_max": "prompt_lookup_max",
     "speculative_model": "speculative_model",
+    "speculative_quantization": "speculative_quantization",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
 }
 
@@ -51,6 +55,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # ngram: shortest suffix matched
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # ngram: longest suffix matched
     speculative_model: str | None = None  # draft: the proposing model's path
+    speculative_quantization: str | None = None  # draft: "int8" linear layers in the draft
     # Speculate only while fewer sequences than this are running (large batches are
     # compute-bound: checking guesses then costs more than it saves); None: always.
     disable_by_batch_size: int | None = None
@@ -82,6 +87,19 @@ class SpeculativeConfig:
                 "speculative_model is only read with speculative_method 'draft'; "
                 f"'ngram' proposes without a model, got {model!r}",
             )
+        quantization = self.speculative_quantization
+        if quantization is not None and quantization not in DRAFT_QUANTIZATIONS:
+            raise InvalidParameterError(
+                "speculative_quantization",
+                f"speculative_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
+                f"got {quantization!r}",
+            )
+        if quantization is not None and self.method != "draft":
+            raise InvalidParameterError(
+                "speculative_quantization",
+                "speculative_quantization is only read with speculative_method 'draft' (it "
+                f"quantizes the draft model), got method {self.method!r}",
+            )
         if self.disable_by_batch_size is not None:
             # 1 would never speculate: a running batch always has a sequence.
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
@@ -99,6 +117,7 @@ def speculative_config_from(
     prompt_lookup_min: int | None = None,
     prompt_lookup_max: int | None = None,
     speculative_disable_by_batch_size: int | None = None,
+    speculative_quantization: str | None = None,
 ) -> SpeculativeConfig | None:
     """The SpeculativeConfig the engine's options describe, None when they ask for no
     speculation. As in vLLM: a speculative_model alone means method "draft"; with one
@@ -112,6 +131,7 @@ def speculative_config_from(
             ("prompt_lookup_min", prompt_lookup_min),
             ("prompt_lookup_max", prompt_lookup_max),
             ("speculative_disable_by_batch_size", speculative_disable_by_batch_size),
+            ("speculative_quantization", speculative_quantization),
         ):
             if value is not None:
                 raise InvalidParameterError(
@@ -133,4 +153,5 @@ def speculative_config_from(
         prompt_lookup_max=DEFAULT_PROMPT_LOOKUP if high is None else high,
         speculative_model=speculative_model,
         disable_by_batch_size=speculative_disable_by_batch_size,
+        speculative_quantization=speculative_quantization,
     )

@@ -1,5 +1,7 @@
 """Which model runner an engine gets from its runner options: the single-device
-TorchModelRunner, or the TensorParallelRunner for `tensor_parallel_size > 1`.
+TorchModelRunner, or the TensorParallelRunner for `tensor_parallel_size > 1`. A
+TorchModelRunner gets the draft model's own runner when the options name a
+speculative_model.
 
 Under a launcher (torchrun), the processes of ranks other than 0 never build an engine:
 they serve the driver from here and exit (worker/tp_worker.py).
@@ -7,12 +9,14 @@ they serve the driver from here and exit (worker/tp_worker.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
-from pagedllm.loader import LoadedModel, load_model
+from pagedllm.errors import ModelLoadError
+from pagedllm.loader import LoadedModel, load_model, resolve_model_path
 from pagedllm.worker.model_runner import TorchModelRunner
 from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelRunner
@@ -63,4 +67,21 @@ def build_runner(
         runner = TensorParallelRunner(options, loaded, profile_attention=profile_attention)
         return runner, loaded.tokenizer
     loaded = loaded if loaded is not None else load_model(model)
-    return TorchModelRunner(loaded, options, profile_attention=profile_attention), loaded.tokenizer
+    draft = None
+    if options.speculative_model is not None:
+        draft = TorchModelRunner(
+            _draft_model(options.speculative_model, loaded), options.draft_options()
+        )
+    runner = TorchModelRunner(loaded, options, profile_attention=profile_attention, draft=draft)
+    return runner, loaded.tokenizer
+
+
+def _draft_model(path: str, target: LoadedModel) -> LoadedModel:
+    """The draft model at `path`: the target's own weights when it names the same file
+    (a self-draft, e.g. quantized; each model copies the weights it computes with)."""
+    try:
+        if os.path.realpath(resolve_model_path(path)) == os.path.realpath(target.source):
+            return target
+        return load_model(path)
+    except ModelLoadError as exc:  # say which of the two models it was
+        raise ModelLoadError(f"speculative_model: {exc}") from exc

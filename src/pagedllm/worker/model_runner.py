@@ -5,7 +5,9 @@ AttentionMetadata, runs the forward, and samples the rows that need a token. It 
 every tensor of the engine: weights, the paged KV pool, the sampler and the random
 generators of seeded samples (keyed by sequence id, dropped when the sequence ends).
 It computes as its RunnerOptions say (worker/options.py), never reading the engine's
-configuration.
+configuration. With a draft model (worker/draft_model.py) it also draws each speculating
+row's proposals before the forward pass, and checks them against the draft's
+distributions.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from pagedllm.attention.backends import AttentionBackend, select_attention
 from pagedllm.attention.metadata import build_grouped_metadata
 from pagedllm.attention.timed import TimedAttention
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.errors import KernelUnavailableError
+from pagedllm.errors import InvalidParameterError, KernelUnavailableError
 from pagedllm.kernels.cpu import load_cpu_ops
 from pagedllm.kernels.int8_choice import isa_name
 from pagedllm.loader import LoadedModel
@@ -30,6 +33,7 @@ from pagedllm.model.layer_ops import CompiledLayerOps, TorchLayerOps
 from pagedllm.model.linear import Int8Linear, choose_int8_gemm, observe_inputs
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.parallel import ParallelContext
+from pagedllm.worker.draft_model import DraftProposer
 from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
@@ -52,11 +56,14 @@ class TorchModelRunner:
         *,
         parallel: ParallelContext | None = None,
         profile_attention: bool = False,
+        draft: TorchModelRunner | None = None,
     ) -> None:
         """`options`: how to compute (default: RunnerOptions()). `parallel`: this rank's
         group when `loaded` holds one tensor-parallel rank's share of the model
         (worker/tp_runner.py); its logits are gathered on rank 0. `profile_attention`:
-        add up the seconds spent in attention (`attention_seconds`), for the benches."""
+        add up the seconds spent in attention (`attention_seconds`), for the benches.
+        `draft`: the draft model's runner, which then proposes the speculating rows'
+        tokens (its vocabulary must be this model's)."""
         options = options if options is not None else RunnerOptions()
         self.options = options
         self.device = torch.device(options.device)
@@ -97,6 +104,23 @@ class TorchModelRunner:
         # Speculating rows draw their unseeded noise from the sampler's generator too.
         self.verifier = SpecVerifier(self.sampler.generator)
         self._generators: dict[int, torch.Generator] = {}
+        self.draft: DraftProposer | None = None
+        if draft is not None:
+            self._attach_draft(draft)
+
+    def _attach_draft(self, draft: TorchModelRunner) -> None:
+        got, want = draft.model_config.vocab_size, self.model_config.vocab_size
+        if got != want:
+            raise InvalidParameterError(
+                "speculative_model",
+                f"the draft model's vocabulary ({got} tokens) must be the target's ({want}): "
+                "a draft needs the same tokenizer",
+            )
+        # Proposals draw their unseeded noise from the sampler's generator too.
+        self.draft = DraftProposer(draft, self.sampler.generator)
+        # Proposals sit at positions the target checks: both models must reach them.
+        positions = min(self.spec.max_position_embeddings, self.draft.max_position_embeddings)
+        self.spec = replace(self.spec, max_position_embeddings=positions)
 
     @property
     def attention_seconds(self) -> float | None:
@@ -123,7 +147,9 @@ class TorchModelRunner:
         return kinds
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return block_size * self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
+        """A block's bytes: the model's K/V of `block_size` tokens, plus the draft's."""
+        own = block_size * self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
+        return own + (self.draft.kv_bytes_per_block(block_size) if self.draft else 0)
 
     def init_kv_cache(
         self,
@@ -132,6 +158,23 @@ class TorchModelRunner:
         layer_groups: tuple[tuple[int, ...], ...] | None = None,
         null_block: bool = False,
     ) -> None:
+        if self.draft is not None:
+            if layer_groups is not None and len(layer_groups) > 1:
+                raise InvalidParameterError(
+                    "speculative_model",
+                    "a draft model shares the target's block tables, which needs every layer "
+                    "allocated as full attention: add disable_hybrid_kv_cache_manager "
+                    f"(--disable-hybrid-kv-cache-manager) for this model's {len(layer_groups)} "
+                    "layer groups",
+                )
+            self.draft.init_kv_cache(num_blocks, block_size)
+            draft_bytes = self.draft.kv_bytes_per_block(block_size)
+            logger.info(
+                "KV pool with a draft model: each block holds %d bytes of the target's K/V and "
+                "%d of the draft's (same block ids, a second set of K/V tensors)",
+                self.kv_bytes_per_block(block_size) - draft_bytes,
+                draft_bytes,
+            )
         self.kv_cache = PagedKVCache(
             self.model_config,
             num_blocks,
@@ -146,11 +189,20 @@ class TorchModelRunner:
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
-        logits = self.forward(step)
-        if not rows:
-            return SampledTokens([], [], [], [])
         gens = [self._generator(r) for r in rows]
-        return draw_with_proposals(self.sampler, self.verifier, logits, rows, gens)
+        draft_probs, proposals = None, {}
+        if self.draft is not None:
+            step, rows, draft_probs, proposals = self.draft.propose(step, rows, gens)
+        logits = self.forward(step)
+        sampled = SampledTokens([], [], [], [])
+        if rows:
+            sampled = draw_with_proposals(
+                self.sampler, self.verifier, logits, rows, gens, draft_probs
+            )
+        if self.draft is not None:
+            self.draft.after_step(sampled)
+            sampled = replace(sampled, proposals=proposals)
+        return sampled
 
     def forward(self, step: SchedulerOutput) -> torch.Tensor:
         """Logits [rows, vocab] for the scheduled sequences with `needs_logits`, in order:
@@ -161,7 +213,7 @@ class TorchModelRunner:
             raise RuntimeError("init_kv_cache must run before the first step")
         cache.copy_blocks(step.blocks_to_copy)
         seqs = step.seqs
-        hidden, rows = self._run_tokens(
+        hidden, rows = self.run_tokens(
             cache,
             list(itertools.chain.from_iterable(s.token_ids for s in seqs)),
             start_positions=[s.start_pos for s in seqs],
@@ -191,11 +243,11 @@ class TorchModelRunner:
         out = []
         for start in range(0, len(token_ids), chunk):
             ids = list(token_ids[start : start + chunk])
-            hidden, _ = self._run_tokens(cache, ids, [start], [len(ids)], [tables], [0])
+            hidden, _ = self.run_tokens(cache, ids, [start], [len(ids)], [tables], [0])
             out.append(self.model.compute_logits(hidden))  # every row's, not just the last
         return torch.cat(out)
 
-    def _run_tokens(
+    def run_tokens(
         self,
         cache: PagedKVCache,
         token_ids: list[int],

@@ -27,6 +27,10 @@ class RunnerOptions:
     attention_backend: str = "auto"
     quantization: str | None = None  # "int8": W8A8 linear layers (CPU, float32 model)
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tp_runner.py)
+    # Speculative decoding with a draft model (worker/draft_model.py): the draft's path
+    # (or packaged name), None: no draft; and how its linear layers compute.
+    speculative_model: str | None = None
+    speculative_quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -34,6 +38,7 @@ class RunnerOptions:
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("attention_backend", ATTENTION_BACKENDS),
             ("quantization", (None, *QUANTIZATIONS)),
+            ("speculative_quantization", (None, *QUANTIZATIONS)),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -53,12 +58,45 @@ class RunnerOptions:
                 f"quantization={self.quantization!r} runs on the CPU with dtype float32; got "
                 f"device={self.device!r}, dtype={self.dtype!r}",
             )
+        self._check_draft()
         if size > 1 and self.device not in ("cpu", "cuda"):
             raise InvalidParameterError(
                 "device",
                 "with tensor_parallel_size > 1, device must be 'cpu' or 'cuda' (rank r takes "
                 f"its machine's GPU r, LOCAL_RANK under torchrun), got {self.device!r}",
             )
+
+    def _check_draft(self) -> None:
+        if self.speculative_quantization is not None and self.speculative_model is None:
+            raise InvalidParameterError(
+                "speculative_quantization",
+                "speculative_quantization quantizes the draft model: it needs "
+                "speculative_method 'draft' and a speculative_model",
+            )
+        if self.speculative_quantization is not None and (
+            not self.device.startswith("cpu") or self.dtype != "float32"
+        ):
+            raise InvalidParameterError(
+                "speculative_quantization",
+                f"speculative_quantization={self.speculative_quantization!r} runs on the CPU "
+                f"with dtype float32; got device={self.device!r}, dtype={self.dtype!r}",
+            )
+        if self.speculative_model is not None and self.tensor_parallel_size > 1:
+            raise InvalidParameterError(
+                "speculative_model",
+                "a draft model runs on one device: use tensor_parallel_size 1 with "
+                f"speculative_method 'draft' (got {self.tensor_parallel_size}), or 'ngram'",
+            )
+
+    def draft_options(self) -> RunnerOptions:
+        """The options of the draft model's own runner: the target's numerics, the
+        draft's quantization, no draft of its own."""
+        return replace(
+            self,
+            quantization=self.speculative_quantization,
+            speculative_model=None,
+            speculative_quantization=None,
+        )
 
     @classmethod
     def of(cls, config: object) -> RunnerOptions:

@@ -25,9 +25,12 @@ def draw_with_proposals(
     logits: torch.Tensor,
     rows: Sequence[SampleRow],
     generators: Sequence[torch.Generator | None],
+    draft_probs: torch.Tensor | None = None,
 ) -> SampledTokens:
     """Each row's token from `logits`; a row with `draft_token_ids` first keeps its
-    accepted proposals (in `accepted`), then takes the verifier's own token."""
+    accepted proposals (in `accepted`), then takes the verifier's own token.
+    `draft_probs`: the distribution each proposal was drawn from ([proposals of the
+    speculating rows in order, vocab]); None: one-hot, as for n-gram proposals."""
     spec = [i for i, r in enumerate(rows) if r.draft_token_ids]
     if not spec:
         return sampler(logits, rows, generators)
@@ -48,7 +51,7 @@ def draw_with_proposals(
     verified = verifier(
         logits,
         [SpecRow(rows[i], rows[i].draft_token_ids, rows[i].num_output_tokens) for i in spec],
-        None,  # n-gram proposals: one-hot draft distributions
+        draft_probs,
         [generators[i] for i in spec],
     )
     for j, i in enumerate(spec):
