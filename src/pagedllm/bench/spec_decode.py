@@ -15,21 +15,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedllm.bench import options
+from pagedllm.bench.datasets import copy_prompts
 from pagedllm.bench.output import ratio, write_outputs
 from pagedllm.bench.sweep import engine_over_runner
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.prompts import encode_chat
 from pagedllm.entrypoints.engine_args import engine_options
 from pagedllm.sampling_params import SamplingParams
 
-TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 COLUMNS = (
     "mode=mode|tpot_ms=TPOT ms|tokens_per_s=tokens/s|steps=steps|acceptance_rate=accepted"
     "|mean_accepted_length=tokens per check|same_tokens=same tokens as off"
@@ -45,20 +43,6 @@ def add_parser(sub: Any) -> None:
     options.add_bench_args(p, "spec", run, engine={"kv_cache_memory": "1GiB"})
     p.add_argument("--num-prompts", type=int, default=4, help="paragraphs repeated, one at a time")
     p.add_argument("--max-tokens", type=int, default=96)
-
-
-def copy_prompts(engine: LLMEngine, count: int) -> list[list[int]]:
-    """Chat prompts asking to repeat one paragraph each (the longest first)."""
-    paragraphs = [p.strip() for p in TEXT.read_text(encoding="utf-8").split("\n\n")]
-    paragraphs = sorted((p for p in paragraphs if len(p) > 200), key=len, reverse=True)
-    return [
-        encode_chat(
-            engine.tokenizer,
-            [{"role": "user", "content": f"Repeat this text exactly:\n\n{p[:600]}"}],
-            True,
-        )
-        for p in paragraphs[:count]
-    ]
 
 
 def one_stream(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -129,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows, base = [], None
     for mode, extra in (("off", {}), (spec_label, spec_opts)):
         engine, _ = engine_over_runner(EngineConfig(**(opts | extra)), loaded)
-        prompts = copy_prompts(engine, args.num_prompts)
+        prompts = copy_prompts(engine.tokenizer, args.num_prompts)
         one_stream(engine, prompts[:1], 4)  # warm-up
         got = one_stream(engine, prompts, args.max_tokens)
         snap = engine.snapshot()
