@@ -86,7 +86,8 @@ def test_speculation_options_reach_only_the_ngram_engine() -> None:
         "num_speculative_tokens": 4,
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 4,
-        "speculative_disable_by_batch_size": None,
+        # No limit: above any batch (the engine's default limit is what the sweep measures).
+        "speculative_disable_by_batch_size": off["max_num_seqs"] + 1,
     }
     flags = ["--num-speculative-tokens", "2", "--speculative-disable-by-batch-size", "16"]
     off, spec = spec_options(build_parser().parse_args(["bench", "spec-streams", *flags]))

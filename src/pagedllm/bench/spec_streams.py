@@ -202,7 +202,10 @@ def spec_options(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, An
     opts = engine_options(args)
     spec = {"speculative_method": "ngram"}
     spec |= {k: v if opts.get(k) is None else opts[k] for k, v in NGRAM_DEFAULTS.items()}
-    spec["speculative_disable_by_batch_size"] = opts.get("speculative_disable_by_batch_size")
+    # Unless the flag sets a limit: speculate at every batch size measured (the engine's
+    # default limit is what the sweep measures).
+    limit = opts.get("speculative_disable_by_batch_size")
+    spec["speculative_disable_by_batch_size"] = limit or opts["max_num_seqs"] + 1
     return opts | dict.fromkeys(SPEC_KEYS), spec
 
 
@@ -250,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"ngram k={spec['num_speculative_tokens']} lookup "
         f"{spec['prompt_lookup_min']}..{spec['prompt_lookup_max']}"
     )
-    if spec["speculative_disable_by_batch_size"] is not None:
+    if spec["speculative_disable_by_batch_size"] <= off_opts["max_num_seqs"]:
         label += f", off from batch {spec['speculative_disable_by_batch_size']}"
     rows = []
     for workload in workloads:

@@ -120,7 +120,8 @@ OPTIONS = (
     _Option("prompt_lookup_max", "ngram: longest suffix looked up (default 5)", int),
     _Option(
         "speculative_disable_by_batch_size",
-        "speculate only while fewer sequences than this are running",
+        "speculate only while fewer sequences than this are running (default 8, measured; "
+        "a value above --max-num-seqs speculates at every batch size)",
         int,
     ),
 )

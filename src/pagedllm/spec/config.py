@@ -24,6 +24,13 @@ DRAFT_QUANTIZATIONS: tuple[str, ...] = ("int8",)
 MAX_SPECULATIVE_TOKENS = 128
 # vLLM's prompt-lookup defaults, when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
+# Speculate only while fewer sequences than this run, unless the engine's options say
+# otherwise: measured with `pagedllm bench spec-streams --sweep` (docs/benchmarks.md) on
+# 2-core CPUs, n-gram speculation on chat (low acceptance) cost 30-50% of the throughput
+# at 8 running sequences, where a step's rows leave the weight-bound matrix-vector regime
+# (kernels/policy.py's GEMV_MAX_ROWS), and gained nothing reliable above; below it, it
+# pays (one stream copying its input: TPOT 2.2x lower).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 # The engine option (and CLI flag, with dashes) behind each field.
 OPTION_OF_FIELD = {
@@ -58,7 +65,7 @@ class SpeculativeConfig:
     speculative_quantization: str | None = None  # draft: "int8" linear layers in the draft
     # Speculate only while fewer sequences than this are running (large batches are
     # compute-bound: checking guesses then costs more than it saves); None: always.
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -120,7 +127,9 @@ def speculative_config_from(
     speculative_quantization: str | None = None,
 ) -> SpeculativeConfig | None:
     """The SpeculativeConfig the engine's options describe, None when they ask for no
-    speculation. As in vLLM: a speculative_model alone means method "draft"; with one
+    speculation. Unset, speculative_disable_by_batch_size is DEFAULT_DISABLE_BY_BATCH_SIZE
+    (a value above any batch the engine runs speculates at every size). As in vLLM: a
+    speculative_model alone means method "draft"; with one
     prompt-lookup bound given the other takes its value, with neither both are 5."""
     method = speculative_method
     if method is None and speculative_model is not None:
@@ -152,6 +161,10 @@ def speculative_config_from(
         prompt_lookup_min=DEFAULT_PROMPT_LOOKUP if low is None else low,
         prompt_lookup_max=DEFAULT_PROMPT_LOOKUP if high is None else high,
         speculative_model=speculative_model,
-        disable_by_batch_size=speculative_disable_by_batch_size,
+        disable_by_batch_size=(
+            DEFAULT_DISABLE_BY_BATCH_SIZE
+            if speculative_disable_by_batch_size is None
+            else speculative_disable_by_batch_size
+        ),
         speculative_quantization=speculative_quantization,
     )
