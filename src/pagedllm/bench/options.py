@@ -15,7 +15,7 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,21 @@ def int_list(text: str) -> list[int]:
 def int_range(text: str) -> tuple[int, int]:
     lo, hi = text.split(":")
     return int(lo), int(hi)
+
+
+def choice_list(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of names from `choices` (`what` names them in the
+    error, and in argparse's own message)."""
+
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        for name in names:
+            if name not in choices:
+                raise ValueError(f"unknown {what} {name!r}: choose from {', '.join(choices)}")
+        return names
+
+    parse.__name__ = f"{what} list"
+    return parse
 
 
 def policies(text: str) -> list[str]:

@@ -59,17 +59,10 @@ COLUMNS = "|".join(
 )
 
 
-def systems(text: str) -> list[str]:
-    names = text.split(",")
-    for name in names:
-        if name not in SYSTEMS:
-            raise ValueError(f"systems are {', '.join(SYSTEMS)}, got {name!r}")
-    return names
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("scale-out", help="Ray Serve replicas: prefix vs pow2 routing, multi-turn")
     options.add_bench_args(p, "scale-out", run, engine={"num_kv_blocks": 512})
+    systems = options.choice_list(SYSTEMS, "system")
     p.add_argument("--systems", type=systems, default=list(SYSTEMS), help="comma list")
     p.add_argument("--num-replicas", type=int, default=2)
     p.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")

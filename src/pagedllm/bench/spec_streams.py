@@ -61,7 +61,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--streams", type=options.int_list, help="requests in flight (default: 1,8,64)")
     p.add_argument(
         "--workloads",
-        type=workload_list,
+        type=options.choice_list(WORKLOADS, "workload"),
         help=f"comma list of {', '.join(WORKLOADS)} (default: both)",
     )
     p.add_argument("--max-tokens", type=int, default=128, help="per request (EOS ends it sooner)")
@@ -77,14 +77,6 @@ def add_parser(sub: Any) -> None:
         help="the chat workload at 1,2,4,...,64 streams (or --streams): the batch size from "
         "which speculating costs throughput",
     )
-
-
-def workload_list(text: str) -> list[str]:
-    names = text.split(",")
-    for name in names:
-        if name not in WORKLOADS:
-            raise ValueError(f"unknown workload {name!r}: choose from {', '.join(WORKLOADS)}")
-    return names
 
 
 # ------------------------------------------------------------------ the prompts
