@@ -98,15 +98,22 @@ def draw_proposals(
     rows: Sequence[SampleRow],
     generators: Sequence[torch.Generator | None],
     shared: torch.Generator | None,
-) -> tuple[list[int], torch.Tensor]:
-    """One proposal per row from the draft's `logits` (row i follows rows[i]), and the
-    distribution q it was drawn from ([rows, vocab]; one-hot for greedy rows)."""
+    with_q: bool = True,
+) -> tuple[list[int], torch.Tensor | None]:
+    """One proposal per row from the draft's `logits` (row i follows rows[i]), and, with
+    `with_q`, the distribution q it was drawn from ([rows, vocab]; one-hot for greedy
+    rows). The verifier checks greedy rows by argmax alone: a step whose rows are all
+    greedy needs no q."""
     x = logits.float()
     if not all(Sampler._plain_greedy(r) for r in rows):
         x = process_logits(x.clone(), rows)
     tokens = x.argmax(dim=-1)
-    q = torch.zeros_like(x).scatter_(1, tokens[:, None], 1.0)
     greedy = [r.params.greedy for r in rows]
+    if not with_q:
+        if not all(greedy):
+            raise ValueError("sampled rows need their q: call with with_q=True")
+        return tokens.tolist(), None
+    q = torch.zeros_like(x).scatter_(1, tokens[:, None], 1.0)
     if not all(greedy):
         probs = sampling_probs(x, rows)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -194,9 +201,8 @@ class DraftProposer:
         new_rows = [
             replace(r, draft_token_ids=drawn[i][0]) if i in drawn else r for i, r in enumerate(rows)
         ]
-        # Greedy rows are checked by argmax alone: their q need not be handed over.
-        greedy = all(rows[i].params.greedy for i in drawn)
-        q = None if greedy else torch.cat([drawn[i][1] for i in sorted(drawn)])
+        dists = [d for i in sorted(drawn) if (d := drawn[i][1]) is not None]
+        q = torch.cat(dists) if dists else None  # greedy rows are checked by argmax
         return replace(step, seqs=seqs), new_rows, q, {i: drawn[i][0] for i in drawn}
 
     def _draw(
@@ -205,12 +211,14 @@ class DraftProposer:
         spec: list[_Speculating],
         rows: Sequence[SampleRow],
         generators: Sequence[torch.Generator | None],
-    ) -> dict[int, tuple[tuple[int, ...], torch.Tensor]]:
-        """Row -> its k proposals and their distributions [k, vocab]: the first from
+    ) -> dict[int, tuple[tuple[int, ...], torch.Tensor | None]]:
+        """Row -> its k proposals and their distributions [k, vocab] (None when every
+        speculating row is greedy: no q is needed then): the first from
         `hidden` (the last tokens' states), the others one draft step each, batched."""
         model, cache = self.runner.model, self.runner.kv_cache
         assert cache is not None
         ks = [x.k for x in spec]
+        with_q = not all(rows[x.row].params.greedy for x in spec)
         tokens: list[list[int]] = [[] for _ in spec]
         dists: list[list[torch.Tensor]] = [[] for _ in spec]
         active = list(range(len(spec)))
@@ -222,10 +230,11 @@ class DraftProposer:
                 row = rows[spec[a].row]
                 pos_rows.append(position_rows(SpecRow(row, tokens[a], row.num_output_tokens))[-1])
             gens = [generators[spec[a].row] for a in active]
-            new, q = draw_proposals(logits, pos_rows, gens, self.generator)
+            new, q = draw_proposals(logits, pos_rows, gens, self.generator, with_q)
             for m, a in enumerate(active):
                 tokens[a].append(new[m])
-                dists[a].append(q[m])
+                if q is not None:
+                    dists[a].append(q[m])
             j += 1
             active = [a for a in active if ks[a] > j]
             if not active:
@@ -240,7 +249,10 @@ class DraftProposer:
                 list(range(len(active))),
             )
             logits = model.compute_logits(hidden[last])
-        return {x.row: (tuple(tokens[a]), torch.stack(dists[a])) for a, x in enumerate(spec)}
+        return {
+            x.row: (tuple(tokens[a]), torch.stack(dists[a]) if with_q else None)
+            for a, x in enumerate(spec)
+        }
 
     def after_step(self, sampled: SampledTokens) -> None:
         """The target checked the proposals: each sequence's draft K/V holds its tokens up
