@@ -137,6 +137,36 @@ def test_cpu_kernel_with_a_half_precision_model(dtype: torch.dtype) -> None:
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, *HALF])
+def test_the_kernel_writes_kv_given_as_views_of_a_fused_projection(cache_dtype) -> None:
+    """The model hands q, k and v as views of one [T, (H + 2 * KVH) * D] projection: the
+    kernel's own K/V write follows their strides into exactly the reference's slots."""
+    case = make_case(
+        [(20, 1), (0, 7), (33, 2)],
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        block_size=8,
+        seed=3,
+        cache_dtype=cache_dtype,
+    )
+    tokens = case.query.shape[0]
+    fused = torch.cat([t.reshape(tokens, -1) for t in (case.query, case.key, case.value)], 1)
+    q, k, v = fused.split([9 * 64, 3 * 64, 3 * 64], dim=1)
+    views = [t.view(tokens, -1, 64) for t in (q, k, v)]
+    assert not views[1].is_contiguous()
+    k_ref, v_ref = case.fresh_caches()
+    k_cpu, v_cpu = case.fresh_caches()
+    ref = ReferenceAttention(case.scale)
+    cpu = CpuPagedAttention(3, case.scale, load_cpu_ops().paged_attention)
+    expected = ref(case.query, case.key, case.value, k_ref, v_ref, ref.prepare(case.meta))
+    got = cpu(*views, k_cpu, v_cpu, cpu.prepare(case.meta))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for mine, theirs in ((k_cpu, k_ref), (v_cpu, v_ref)):  # NaN marks the unwritten slots
+        assert torch.equal(mine.nan_to_num(7.0), theirs.nan_to_num(7.0))
+
+
+@needs_cpu_kernel
 @pytest.mark.parametrize("shapes", [[(3000, 1)], [(700, 1), (2000, 1), (5, 1)]])
 def test_long_decodes_split_along_the_context_merge_exactly(shapes) -> None:
     """Few, long decode rows: the plan splits their contexts across the threads, and the

@@ -12,12 +12,14 @@ import pytest
 
 from bench_results import COMMON_KEYS
 from live_server import build_chat_model
+from pagedllm.bench.memory_floor import weight_bytes_per_step
 from pagedllm.bench.sweep import run_workload
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.cli import main
 from pagedllm.kernels.cpu import missing_cpu_features
+from pagedllm.model.config import ModelConfig
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.runner import ModelSpec
 
@@ -46,6 +48,13 @@ def test_decode_bench_rows(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert [r["batch"] for r in result["results"]] == [1, 3]
     assert all(r["pagedllm_ms"] > 0 and r["hf_ms"] > 0 for r in result["results"])
     assert all(0 < r["attention_share"] < 1 for r in result["results"])
+    config = result["config"]
+    assert config["read_gb_per_s"] > 0 and config["weights_floor_ms"] > 0
+    floor = config["weights_floor_ms"]
+    assert all(
+        r["of_floor"] == pytest.approx(r["pagedllm_ms"] / floor, rel=0.05)
+        for r in result["results"]
+    )
 
 
 @pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels on this CPU")
@@ -216,3 +225,25 @@ def test_spec_bench_compares_tpot_with_and_without_ngram(
     assert off["acceptance_rate"] is None and 0 <= ngram["acceptance_rate"] <= 1
     assert off["tpot_ms"] > 0 and ngram["tpot_ms"] > 0
     assert result["summary"]["same_tokens"] is True
+
+
+def test_the_weights_a_decode_step_reads_are_counted_exactly() -> None:
+    """SmolLM2-135M's shapes: 134,479,872 weights in its linear layers (the output layer is
+    the tied embedding), 35,136 in its norms."""
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
+    norms = 4 * 35_136
+    assert weight_bytes_per_step(config, None, "float32") == 4 * 134_479_872 + norms
+    assert weight_bytes_per_step(config, None, "bfloat16") == 2 * 134_479_872 + norms
+    # int8: a byte a weight, and each layer's fp32 output scales and input smoothing
+    scales = 4 * (30 * (1152 + 768 + 768 + 1152 + 3 * 2112) + 49152 + 576)
+    assert weight_bytes_per_step(config, "int8", "float32") == 134_479_872 + scales + norms

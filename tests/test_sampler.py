@@ -35,26 +35,73 @@ def test_greedy_and_filters_restrict_the_support() -> None:
     assert draw(SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100})) <= {2, 3, 4, 5}
 
 
-def test_greedy_fast_path_reports_the_general_paths_logprobs(monkeypatch) -> None:
+def compiled_kernels() -> object:
+    from pagedllm.kernels.cpu import load_cpu_ops, missing_cpu_features
+
+    if missing_cpu_features():
+        pytest.skip("no compiled kernels here")
+    return load_cpu_ops()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "compiled"])
+def test_greedy_fast_path_reports_the_general_paths_logprobs(monkeypatch, kernels) -> None:
+    ops = compiled_kernels() if kernels == "compiled" else None
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)) * 4
     greedy = SamplingParams(temperature=0)
     fast_calls = []
     real_greedy = Sampler._greedy
 
-    def spy(logits: torch.Tensor) -> object:
+    def spy(self: Sampler, logits: torch.Tensor) -> object:
         fast_calls.append(True)
-        return real_greedy(logits)
+        return real_greedy(self, logits)
 
-    monkeypatch.setattr(Sampler, "_greedy", staticmethod(spy))
+    monkeypatch.setattr(Sampler, "_greedy", spy)
     order = [2, 0, 1]
-    fast = Sampler()(logits, [SampleRow(i, i, greedy) for i in order])
+    fast = Sampler(kernels=ops)(logits, [SampleRow(i, i, greedy) for i in order])
     assert len(fast_calls) == 1
     # Asking for one top log-prob takes the general path (a full log-softmax).
-    slow = Sampler()(logits, [SampleRow(i, i, greedy, num_logprobs=1) for i in order])
+    slow = Sampler(kernels=ops)(logits, [SampleRow(i, i, greedy, num_logprobs=1) for i in order])
     assert len(fast_calls) == 1
     assert fast.token_ids == slow.token_ids == logits.argmax(-1)[order].tolist()
     assert fast.logprobs == pytest.approx(slow.logprobs, abs=1e-5)
     assert fast.logprobs == pytest.approx([ids[0] for ids in slow.top_logprobs], abs=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (2, 1000), (5, 13), (64, 517), (1, 1)])
+def test_compiled_greedy_equals_torch(threads: int, rows: int, vocab: int) -> None:
+    """Exactly torch.max's tokens (the first index on ties), and its max - logsumexp
+    within float tolerance, whether rows are shared out whole or cut into parts."""
+    ops = compiled_kernels()
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=g) * 6
+    logits[0, vocab // 2 :] = logits[0].max()  # a tie: the first of them wins
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tokens, logprobs = ops.greedy_logprobs(logits)
+    finally:
+        torch.set_num_threads(before)
+    best, want = logits.max(dim=-1)
+    assert torch.equal(tokens, want)
+    torch.testing.assert_close(logprobs, best - torch.logsumexp(logits, dim=-1))
+
+
+def test_compiled_greedy_takes_non_finite_rows_as_torch_does() -> None:
+    ops = compiled_kernels()
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor(
+        [
+            [0.0, nan, 1.0, nan],
+            [-inf, -inf, -inf, -inf],
+            [1.0, inf, 2.0, 0.0],
+            [-inf, 3.0, -inf, 3.0],
+        ]
+    )
+    tokens, logprobs = ops.greedy_logprobs(logits)
+    best, want = logits.max(dim=-1)
+    assert tokens.tolist() == want.tolist() == [1, 0, 1, 1]
+    torch.testing.assert_close(logprobs, best - torch.logsumexp(logits, dim=-1), equal_nan=True)
 
 
 def test_the_callers_logits_are_never_written() -> None:

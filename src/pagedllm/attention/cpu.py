@@ -1,7 +1,7 @@
 """The compiled CPU backend: paged attention that follows the block table in place.
 
-Same interface as the reference backend: write the step's new K/V into their slots,
-then one kernel call attends the whole flat batch (decode and chunked-prefill rows) by
+Same interface as the reference backend: one kernel call writes the step's new K/V into
+their slots, then attends the whole flat batch (decode and chunked-prefill rows) by
 reading K/V through the block tables, with no gather into a contiguous copy; a layer's
 attention window, if any, comes with its call (the kernel reads nothing behind it). The work
 list the kernel follows is built once per step (`prepare`, cpu_plan.py).
@@ -15,7 +15,13 @@ import torch
 
 from pagedllm.attention.cpu_plan import CpuPlan, plan_work
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.reference import write_kv
+
+
+def _fp32_heads(t: torch.Tensor) -> torch.Tensor:
+    """`t` in fp32 (the kernel computes in fp32 whatever the model dtype) with contiguous
+    head vectors: the kernel takes any token and head stride, which a valid view can break."""
+    t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class CpuPagedAttention:
@@ -44,16 +50,14 @@ class CpuPagedAttention:
     ) -> torch.Tensor:
         """`window`: the layer's attention window in tokens (None: full attention)."""
         meta = plan.meta
-        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        q = query.float()  # the kernel computes in fp32 whatever the model dtype
-        # It takes any row and head strides but rejects a head vector that is not
-        # contiguous (TORCH_CHECK query.stride(2) == 1), which a valid view can be.
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        q, k, v = (_fp32_heads(t) for t in (query, key, value))
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         self.op(
             out,
             q,
+            k,
+            v,
+            meta.slot_mapping,
             k_cache,
             v_cache,
             meta.block_tables,

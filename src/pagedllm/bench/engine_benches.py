@@ -20,6 +20,7 @@ from pagedllm.attention import build_attention_metadata
 from pagedllm.attention.backends import AttentionBackend, select_attention
 from pagedllm.bench import options
 from pagedllm.bench.baselines import load_hf_model
+from pagedllm.bench.memory_floor import read_bytes_per_second, weight_bytes_per_step
 from pagedllm.bench.output import Plot, median_seconds, ratio, write_outputs
 from pagedllm.bench.sweep import attention_seconds, engine_over_runner
 from pagedllm.engine.config import EngineConfig
@@ -34,7 +35,8 @@ ATTENTION_COLUMNS += "contiguous ms|overhead=paged / contiguous|max_abs_diff=max
 CASES = {"decode": ("1,8,32,64", "128,512,2048"), "prefill": ("1,4", "128,512,1024")}
 DECODE_COLUMNS = "tp=TP|batch=batch|pagedllm_ms=pagedllm ms/step|hf_ms=transformers ms/step|"
 DECODE_COLUMNS += "attention_share=attention share|comm_share=communication share|"
-DECODE_COLUMNS += "pagedllm_tok_s=pagedllm tok/s|hf_tok_s=transformers tok/s|speedup=speedup"
+DECODE_COLUMNS += "pagedllm_tok_s=pagedllm tok/s|hf_tok_s=transformers tok/s|speedup=speedup|"
+DECODE_COLUMNS += "of_floor=pagedllm / weights-read floor"
 SHARING_COLUMNS = "system=mode|width=n / beams|mean_blocks_in_use=blocks in use (mean)|"
 SHARING_COLUMNS += "mean_blocks_unshared=without sharing (mean)|mean_saved_frac=saved (mean)|"
 SHARING_COLUMNS += "peak_blocks_in_use=in use (peak)|peak_blocks_unshared=without (peak)|"
@@ -214,6 +216,10 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     hf_ms = {
         b: hf_decode_step_seconds(hf, prompts[b], args.steps) for b in batches if hf is not None
     }
+    # The least a step can take: reading every weight once, at this machine's read speed.
+    weight_bytes = weight_bytes_per_step(loaded.config, args.quantization, args.dtype)
+    read_rate = read_bytes_per_second()
+    floor_ms = 1000 * weight_bytes / read_rate
     rows = []
     for tp in args.tensor_parallel_size:  # one engine (and its workers) at a time
         engine, runner, _ = engine_for(args, max(batches), True, tensor_parallel_size=tp)
@@ -225,6 +231,7 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
             row["pagedllm_tok_s"] = round(batch / ours, 1)
             row["attention_share"] = round(in_attention / ours, 3)
             row["comm_share"] = round(in_comm / ours, 3)
+            row["of_floor"] = round(ours * 1000 / floor_ms, 2)
             if hf is not None:
                 theirs = hf_ms[batch]
                 row |= {"hf_ms": round(theirs * 1000, 1), "hf_tok_s": round(batch / theirs, 1)}
@@ -233,7 +240,11 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
         backend, int8 = runner.attention.name, runner.int8_kernels
         engine.shutdown()
     config = dict(prompt_len=args.prompt_len, steps=args.steps, threads=torch.get_num_threads())
-    config |= {"attention_backend": backend}
+    config |= {"attention_backend": backend, "weight_bytes_per_step": weight_bytes}
+    config |= {
+        "read_gb_per_s": round(read_rate / 1e9, 1),
+        "weights_floor_ms": float(f"{floor_ms:.4g}"),
+    }
     if int8:  # which int8 kernels ran, on which instruction set (they set the speed)
         config |= {"int8_isa": int8.pop("isa", "none (pure torch)"), "int8_kernels": int8}
     note = "median of the timed decode steps after the prefill; pagedllm's step includes "
@@ -242,6 +253,9 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
         note,
         "TP > 1: each rank takes an equal share of the cores; communication share: "
         "the driver's time in the all-reduces and the logits gather (waits included)",
+        f"weights-read floor: the {weight_bytes / 1e6:.0f} MB of weights a step reads, at the "
+        f"{read_rate / 1e9:.1f} GB/s this machine read a 512 MiB buffer: {floor_ms:.1f} ms "
+        "(the KV cache read on top grows with batch and context)",
     ]
     if int8:
         kinds = " | ".join(f"{layer}: {kernels}" for layer, kernels in int8.items())

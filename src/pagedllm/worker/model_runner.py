@@ -100,7 +100,9 @@ class TorchModelRunner:
             layer_windows=cfg.layer_windows,
         )
         self.kv_cache: PagedKVCache | None = None
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(options.seed))
+        kernels = ops.ops if isinstance(ops, CompiledLayerOps) else None
+        generator = torch.Generator(device=self.device).manual_seed(options.seed)
+        self.sampler = Sampler(generator, kernels)
         # Speculating rows draw their unseeded noise from the sampler's generator too.
         self.verifier = SpecVerifier(self.sampler.generator)
         self._generators: dict[int, torch.Generator] = {}

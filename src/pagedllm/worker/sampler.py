@@ -14,6 +14,7 @@ distribution, as vLLM reports them. The steps are also functions of their own
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -136,8 +137,12 @@ def exponential_noise(
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, kernels: Any = None) -> None:
+        """`kernels`: the compiled CPU kernels' namespace, whose `greedy_logprobs` then
+        takes plain greedy batches of float32 CPU logits (one pass where torch takes
+        five); None: torch alone."""
         self.generator = generator
+        self.kernels = kernels
 
     @torch.inference_mode()
     def __call__(
@@ -228,13 +233,15 @@ class Sampler:
             and row.grammar is None
         )
 
-    @staticmethod
-    def _greedy(logits: torch.Tensor) -> SampledTokens:
+    def _greedy(self, logits: torch.Tensor) -> SampledTokens:
         """The common case, argmax with no filters and no top log-probs: the chosen
         token's log-probability is its logit minus the row's log-sum-exp, with no
         log-softmax written over the whole vocabulary."""
-        best, tokens = logits.max(dim=-1)
-        logprobs = best - torch.logsumexp(logits, dim=-1)
+        if self.kernels is not None and logits.device.type == "cpu" and logits.dim() == 2:
+            tokens, logprobs = self.kernels.greedy_logprobs(logits)
+        else:
+            best, tokens = logits.max(dim=-1)
+            logprobs = best - torch.logsumexp(logits, dim=-1)
         n = logits.shape[0]
         return SampledTokens(
             tokens.tolist(), logprobs.tolist(), [[] for _ in range(n)], [[] for _ in range(n)]

@@ -1,6 +1,8 @@
 // Paged attention on the CPU: reads K/V through the block table while it computes.
 //
-// One call covers a layer's whole flat batch: decode rows and chunked-prefill rows
+// One call first stores the step's new K/V rows into their slots of the caches (rounded to
+// a half-precision cache's type as torch's conversion rounds: to nearest, ties to even),
+// then covers a layer's whole flat batch: decode rows and chunked-prefill rows
 // (causal inside the chunk, full over the cached context). It follows a work list built
 // once per step in Python (attention/cpu.py, from the rules of kernels/policy.py): a work
 // item is one sequence, a range of KV heads, a tile of query rows and a range of keys; the
@@ -400,8 +402,53 @@ void run(const Problem& pb, const std::vector<WorkItem>& items, const std::vecto
   }
 }
 
-void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+// k_cache[slot_mapping[t]] = key[t] (and v_cache for value), for every new token t; the
+// rows may be views of a fused projection (any token and head stride).
+template <typename T>
+void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t tokens) {
+  const int64_t heads = cache.size(2), d = cache.size(3), capacity = cache.size(0) * cache.size(1);
+  const int64_t st = src.stride(0), sh = src.stride(1);
+  const float* from = src.data_ptr<float>();
+  T* to = static_cast<T*>(cache.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "slot ", slots[t], " is out of range");
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* row = from + t * st + h * sh;
+        T* dst = to + (slots[t] * heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(row[i]);
+      }
+  });
+}
+
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+              at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const int64_t tokens = slot_mapping.numel();
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous int64 tensor");
+  for (const at::Tensor* src : {&key, &value})
+    TORCH_CHECK(src->scalar_type() == at::kFloat && src->dim() == 3 && src->stride(2) == 1 &&
+                    src->size(0) == tokens && src->size(1) == k_cache.size(2) &&
+                    src->size(2) == k_cache.size(3),
+                "key and value must be float32 [tokens, kv_heads, head_dim], head vectors contiguous");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto both = [&](auto type) {
+    using T = decltype(type);
+    write_rows<T>(key, k_cache, slots, tokens);
+    write_rows<T>(value, v_cache, slots, tokens);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: both(float{}); break;
+    case at::kHalf: both(c10::Half{}); break;
+    case at::kBFloat16: both(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
+                     const at::Tensor& value, const at::Tensor& slot_mapping, at::Tensor k_cache,
+                     at::Tensor v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                      const at::Tensor& work_items, const at::Tensor& merges, double scale,
                      int64_t window) {
@@ -414,6 +461,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                   context_lens.scalar_type() == at::kLong,
               "block tables, query_start_loc and context_lens must be int64");
   TORCH_CHECK(k_cache.dim() == 4 && query.dim() == 3, "expected k_cache [N, BS, KVH, D] and query [T, H, D]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must have one shape and dtype");
+  write_kv(key, value, k_cache, v_cache, slot_mapping);
   Problem pb;
   pb.query = query.data_ptr<float>();
   pb.q_stride_t = query.stride(0);
@@ -465,7 +515,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
-      "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
+      "Tensor slot_mapping, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor work_items, "
       "Tensor merges, float scale, int window=0) -> ()");
 }
