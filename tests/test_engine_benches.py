@@ -157,6 +157,25 @@ def test_serve_bench_against_a_live_server(tmp_path: Path, capsys) -> None:
         rows = {r["metric"]: r for r in result["results"]}
         assert rows["output tok/s"]["ours"] > 0 and rows["output tok/s"]["ratio"] > 0
         assert {"TTFT mean ms", "TPOT p99 ms", "ITL median ms"} <= rows.keys()
+        # In three parts that alternate between the servers: every request on each, once.
+        assert (
+            main([*argv, "--max-concurrency", "3", "--compare-url", server.url, "--rounds", "3"])
+            == 0
+        )
+        result = json.loads((out / "serve.json").read_text())
+        assert result["config"]["rounds"] == 3
+        for summary in (result["summary"], result["compared"]["summary"]):
+            assert (summary["completed"], summary["total_output_tokens"]) == (6, 6 * 5)
+        assert main([*argv, "--max-concurrency", "3", "--rounds", "2"]) == 2  # no second server
+        assert "give --compare-url" in capsys.readouterr().err
+        assert (
+            main([*argv, "--max-concurrency", "3", "--compare-url", server.url, "--rounds", "7"])
+            == 2
+        )
+        assert (
+            "rounds must be between 1 and the number of requests (6), got 7"
+            in capsys.readouterr().err
+        )
         # Word prompts need the server's tokenizer, which this one lacks: every request fails.
         assert main([*argv, "--max-concurrency", "2", "--prompt-kind", "words"]) == 1
         assert main([*argv]) == 2  # neither a request rate nor a concurrency cap

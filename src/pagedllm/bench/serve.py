@@ -4,7 +4,8 @@ serve`. It streams the workload's completions at a Poisson `--request-rate` and/
 the latency to the first token (TTFT), per later token (TPOT), between chunks (ITL) and
 end to end (E2EL). With `--compare-url` the identical load then goes to a second
 OpenAI-compatible server (llama.cpp's `llama-server`, vLLM, ...) and both are printed side
-by side with their ratios.
+by side with their ratios; `--rounds N` cuts the load into N parts that alternate between
+the two servers, so that a machine whose speed drifts (shared cores) weighs on both alike.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -55,6 +56,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--tokenizer", help="model whose tokenizer measures --dataset prompts")
     p.add_argument("--compare-url", help="then send the identical load to this server too")
+    text = "with --compare-url: cut the load into this many parts, alternating between servers"
+    p.add_argument("--rounds", type=int, default=1, help=text)
 
 
 async def send_one(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
@@ -118,7 +121,32 @@ async def run_load(
 
 def measure(args: argparse.Namespace, url: str, requests: list[BenchRequest]) -> dict[str, Any]:
     """One server's figures under the load: a summary, latency rows, errors, requests."""
-    results, seconds, model = asyncio.run(run_load(args, url, requests))
+    return summarize(url, *asyncio.run(run_load(args, url, requests)))
+
+
+def alternate(
+    args: argparse.Namespace, requests: list[BenchRequest]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The load in `args.rounds` consecutive parts, each sent to --url and then to
+    --compare-url (arrivals counted from the part's first); both servers' figures over
+    all their parts."""
+    size = -(-len(requests) // args.rounds)
+    urls = (args.url, args.compare_url)
+    results: tuple[list[RequestResult], ...] = ([], [])
+    seconds, models = [0.0, 0.0], ["", ""]
+    for first in range(0, len(requests), size):
+        part = requests[first : first + size]
+        part = [replace(r, arrival_time=r.arrival_time - part[0].arrival_time) for r in part]
+        for side, url in enumerate(urls):
+            got, took, models[side] = asyncio.run(run_load(args, url, part))
+            results[side].extend(got)
+            seconds[side] += took
+    ours, theirs = (summarize(urls[i], results[i], seconds[i], models[i]) for i in (0, 1))
+    return ours, theirs
+
+
+def summarize(url: str, results: list[RequestResult], seconds: float, model: str) -> dict[str, Any]:
+    """The figures of `results`, which took `seconds` in all."""
     ok = [r for r in results if not r.error]
     inputs, outputs = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
     summary = {"url": url, "model": model, "completed": len(ok), "failed": len(results) - len(ok)}
@@ -162,8 +190,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     span = TOKEN_ID_RANGE[1] - TOKEN_ID_RANGE[0]
     tokenizer = load_tokenizer(args.tokenizer) if args.dataset else None
     requests = options.workload_of(args, span, options.DEFAULT_MAX_MODEL_LEN, tokenizer)
-    ours = measure(args, args.url, requests)
+    if not 1 <= args.rounds <= len(requests):
+        message = f"rounds must be between 1 and the number of requests ({len(requests)})"
+        raise InvalidParameterError("rounds", f"{message}, got {args.rounds}")
+    if args.rounds > 1 and not args.compare_url:
+        message = "rounds alternate the load between --url and --compare-url: give --compare-url"
+        raise InvalidParameterError("rounds", message)
+    if args.compare_url:
+        ours, theirs = alternate(args, requests)
+    else:
+        ours = measure(args, args.url, requests)
     config = {"url": args.url, "request_rate": rate or math.inf, "max_concurrency": cap}
+    if args.compare_url:
+        config |= {"compare_url": args.compare_url, "rounds": args.rounds}
     result = options.new_result("serve", args, ours["summary"]["model"], config, requests=requests)
     result["summary"], result["results"] = ours["summary"], ours["rows"]
     result["latency"] = ours["rows"]  # kept when `results` becomes a comparison
@@ -175,9 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     curves = {"TTFT": cdf(ours["times"]["TTFT"]), "E2EL": cdf(ours["times"]["E2EL"])}
     columns = "metric=metric|mean_ms=mean|median_ms=median|p99_ms=p99 (ms)"
-    if args.compare_url:  # the identical load, right after, against the other server
-        config["compare_url"] = args.compare_url
-        theirs = measure(args, args.compare_url, requests)
+    if args.compare_url:  # the identical load, against the other server
         result["compared"] = {k: theirs[k] for k in ("summary", "rows", "errors")}
         result["results"] = comparison(ours, theirs)
         result["ratios"] = {"output_throughput": result["results"][0]["ratio"]}
