@@ -139,8 +139,8 @@ def exponential_noise(
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None, kernels: Any = None) -> None:
         """`kernels`: the compiled CPU kernels' namespace, whose `greedy_logprobs` then
-        takes plain greedy batches of float32 CPU logits (one pass where torch takes
-        five); None: torch alone."""
+        takes plain greedy batches of float32 CPU logits (two passes over a row where
+        torch takes five); None: torch alone."""
         self.generator = generator
         self.kernels = kernels
 
