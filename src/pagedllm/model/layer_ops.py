@@ -76,7 +76,7 @@ class CompiledLayerOps(TorchLayerOps):
 
     @staticmethod
     def _fits(x: torch.Tensor) -> bool:
-        return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+        return x.dtype == torch.float32 and x.is_cpu and x.stride(-1) == 1
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

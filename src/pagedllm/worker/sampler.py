@@ -237,7 +237,7 @@ class Sampler:
         """The common case, argmax with no filters and no top log-probs: the chosen
         token's log-probability is its logit minus the row's log-sum-exp, with no
         log-softmax written over the whole vocabulary."""
-        if self.kernels is not None and logits.device.type == "cpu" and logits.dim() == 2:
+        if self.kernels is not None and logits.is_cpu and logits.dim() == 2:
             tokens, logprobs = self.kernels.greedy_logprobs(logits)
         else:
             best, tokens = logits.max(dim=-1)
