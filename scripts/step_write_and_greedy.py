@@ -1,12 +1,14 @@
-"""Two parts of a decode step around the model's products, measured against what they
-replaced (docs/kernels.md, "The rest of a decode step"):
+"""Three changes to a decode step around the model's products, measured against what
+they replaced (docs/kernels.md, "The rest of a decode step"):
 
 * the greedy pick: the compiled `greedy_logprobs` against torch's max + logsumexp, on
   random logits of SmolLM2's vocabulary, at 1 and 64 rows;
 * the whole step of the default model, alternating every 5 steps in one engine between
   the former path (K/V written by two `index_copy_` calls before the attention kernel,
-  greedy rows through torch) and the current one (the kernel writes them; greedy rows
-  through the compiled op), so that the machine's drift hits both alike.
+  greedy rows through torch, each layer step by step), the step-by-step layers with the
+  kernel writing K/V and the compiled greedy pick, and the current path (with int8, each
+  layer one compiled call: model/fused_layer.py), so that the machine's drift hits all
+  alike.
 
     .venv/bin/python scripts/step_write_and_greedy.py [--quantization int8] [--batch 1]
 """
@@ -88,6 +90,7 @@ def steps(quantization: str | None, batch: int, rounds: int) -> None:
     )
     engine, runner = engine_over_runner(config, options.get_loaded(None), False)
     current, kernels = CpuPagedAttention.__call__, runner.sampler.kernels
+    fusions = [layer.fused for layer in runner.model.layers]
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=10 * rounds + 20, ignore_eos=True)
     for i in range(batch):
@@ -96,18 +99,22 @@ def steps(quantization: str | None, batch: int, rounds: int) -> None:
         )
     for _ in range(5):
         engine.step()
-    seconds: dict[str, list[float]] = {"former": [], "current": []}
+    seconds: dict[str, list[float]] = {"former": [], "step by step": [], "current": []}
     try:
         for _ in range(rounds):
             for mode, times in seconds.items():
                 CpuPagedAttention.__call__ = former_attention if mode == "former" else current
                 runner.sampler.kernels = None if mode == "former" else kernels
+                for layer, fused in zip(runner.model.layers, fusions, strict=True):
+                    layer.fused = fused if mode == "current" else None
                 for _ in range(5):
                     start = time.perf_counter()
                     engine.step()
                     times.append(time.perf_counter() - start)
     finally:
         CpuPagedAttention.__call__ = current
+        for layer, fused in zip(runner.model.layers, fusions, strict=True):
+            layer.fused = fused
     print(f"{quantization or 'fp32'}, batch {batch}, {5 * rounds} steps each:")
     for mode, times in seconds.items():
         print(f"  {mode}: median {statistics.median(times) * 1000:.1f} ms per step")

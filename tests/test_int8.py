@@ -101,3 +101,32 @@ def test_the_engine_runs_int8_and_refuses_what_it_cannot(tiny_llama_dir) -> None
         with pytest.raises(InvalidParameterError) as info:
             EngineConfig(**{"quantization": "int8", **bad})
         assert info.value.param == "quantization"
+
+
+@pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels on this CPU")
+def test_no_rows_give_no_rows_on_every_path() -> None:
+    """A step that only prefills part of a prompt asks the output layer for no logits: every
+    kernel (and the torch path) returns [0, out] rather than reading rows that are not there."""
+    ops = load_cpu_ops()
+    w, _ = weights(40, 64, 0)
+    layer, reference = Int8Linear(w, ops=ops), Int8Linear(w)
+    none = torch.zeros(0, 64, dtype=torch.int8)
+    for kernel in ("auto", "gemv avx2", "gemm avx2"):
+        got = ops.int8_matmul(none, layer.weight_t, layer.weight_sums, None, kernel)
+        assert got.shape == (0, 40)
+    assert layer(torch.zeros(0, 64)).shape == reference(torch.zeros(0, 64)).shape == (0, 40)
+
+
+def test_int8_prefills_a_long_prompt_in_chunks(tiny_llama_dir) -> None:
+    """The prompt outgrows the step's token budget: its first steps produce no logits."""
+    llm = LLM(
+        str(tiny_llama_dir),
+        quantization="int8",
+        num_kv_blocks=32,
+        block_size=8,
+        max_num_batched_tokens=16,
+    )
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([list(range(30, 70))], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.engine.kv.num_free_blocks == 32

@@ -28,6 +28,7 @@ from pagedllm.attention.backends import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata, GroupedAttentionMetadata
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.fused_layer import FusedInt8Layer
 from pagedllm.model.layer_ops import TorchLayerOps
 from pagedllm.model.linear import DenseLinear, quantize_linears
 from pagedllm.model.parallel import ParallelContext
@@ -85,6 +86,7 @@ class DecoderLayer(nn.Module):
         self.rotary = rotary
         self.ops = ops
         self.parallel = parallel
+        self.fused: FusedInt8Layer | None = None  # set by quantize_int8 where it applies
 
     def forward(
         self,
@@ -97,6 +99,8 @@ class DecoderLayer(nn.Module):
         """The layer's output and the residual stream (updated in place): the next layer
         (or the final norm) adds the one to the other, fused with its norm. `plan`: the
         attention backend's plan of this step."""
+        if self.fused is not None:
+            return self.fused(hidden, residual, positions, kv_cache, plan)
         t, ops, norm = hidden.shape[0], self.ops, self.input_layernorm
         if residual is None:  # the first layer: the embeddings are the residual stream
             residual, x = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
@@ -223,8 +227,18 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Int8 weights and per-token int8 activations in every linear layer, the output
         projection included (smoothed with `input_amax`, from `observe_inputs` over this
-        model); a tied embedding stays float, for its lookup."""
+        model); a tied embedding stays float, for its lookup. With the compiled kernels
+        (`ops`), each plain Llama layer then runs as one compiled call (fused_layer.py)."""
         quantize_linears(self, input_amax, ops)
+        if ops is None:
+            return
+        for layer in self.layers:
+            layer.fused = FusedInt8Layer(layer, ops) if FusedInt8Layer.applies(layer) else None
+
+    @property
+    def fused_layers(self) -> int:
+        """How many layers run as one compiled call each."""
+        return sum(layer.fused is not None for layer in self.layers)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up."""

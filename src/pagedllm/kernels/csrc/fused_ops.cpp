@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "vec.h"
+#include "layer_kernels.h"
 
 namespace {
 
@@ -57,6 +58,10 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               name, " must be a float32 [rows, n] tensor with contiguous rows");
 }
+
+}  // namespace
+
+namespace pagedllm {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
@@ -140,7 +145,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -152,8 +157,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary", &rotary);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &pagedllm::rms_norm);
+  m.impl("add_rms_norm", &pagedllm::add_rms_norm);
+  m.impl("rotary", &pagedllm::rotary);
+  m.impl("silu_and_mul", &pagedllm::silu_and_mul);
 }

@@ -29,6 +29,7 @@
 #include "int8_gemm.h"
 #include "row_dispatch.h"
 #include "vec.h"
+#include "layer_kernels.h"
 
 namespace {
 
@@ -136,6 +137,10 @@ bool has_vnni() {
   static const bool yes = cpu_has_vnni() && std::getenv("PAGEDLLM_NO_VNNI") == nullptr;
   return yes;
 }
+
+}  // namespace
+
+namespace pagedllm {
 
 // The int32 products of a few quantized rows with the [out, in] int8 weights, which
 // `weight_t` ([in, out]) is a view of; `weight_sums` [out] are the rows' sums.
@@ -271,7 +276,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const 
   return out;
 }
 
-}  // namespace
+}  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
@@ -286,8 +291,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
-  m.impl("int8_linear", &int8_linear);
-  m.impl("int8_matmul", &int8_matmul);
+  m.impl("int8_linear", &pagedllm::int8_linear);
+  m.impl("int8_matmul", &pagedllm::int8_matmul);
   m.impl("int8_pack_panels", &pagedllm::int8_pack_panels);
 }
 

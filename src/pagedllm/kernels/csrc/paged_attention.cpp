@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "layer_kernels.h"
 
 namespace {
 
@@ -446,6 +447,10 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
   }
 }
 
+}  // namespace
+
+namespace pagedllm {
+
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
                      const at::Tensor& value, const at::Tensor& slot_mapping, at::Tensor k_cache,
                      at::Tensor v_cache, const at::Tensor& block_tables,
@@ -511,7 +516,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
-}  // namespace
+}  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
@@ -521,4 +526,4 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "Tensor merges, float scale, int window=0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention", &pagedllm::paged_attention); }

@@ -32,6 +32,7 @@ constexpr int features_at_once() {
 // (1 <= m <= kGemvMaxRows; the caller checks).
 template <int M = 1, typename Kernel>
 void gemv_dispatch(int64_t m, int64_t n, Kernel&& kernel) {
+  if (m < 1) return;  // no rows: nothing to compute (never a template for rows it lacks)
   if constexpr (M < kGemvMaxRows) {
     if (m != M) return gemv_dispatch<M + 1>(m, n, kernel);
   }

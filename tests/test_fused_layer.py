@@ -1,0 +1,59 @@
+"""A plain decoder layer with int8 weights runs as one compiled call (model/fused_layer.py):
+the same bits as the layer's step-by-step forward, through chunked prefill and decode
+steps, with and without a q/k/v bias, and only where every kernel it chains applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.cpu import missing_cpu_features
+
+pytestmark = pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels here")
+PROMPTS = [list(range(1, 21)), [5, 6, 7], list(range(30, 70))]
+
+
+def run(llm: LLM) -> tuple[list[list[int]], list[float], torch.Tensor]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [o.outputs[0].cumulative_logprob for o in outs]
+    return tokens, logprobs, llm.engine.runner.logits_of(PROMPTS[2])
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_fused_layers_give_the_step_by_step_bits(model: str, request) -> None:
+    path = request.getfixturevalue(model)
+    # Prompts longer than a step's token budget: prefill in chunks beside decodes.
+    llm = LLM(
+        str(path), quantization="int8", num_kv_blocks=64, block_size=8, max_num_batched_tokens=16
+    )
+    layers = llm.engine.runner.model.layers
+    assert llm.engine.runner.model.fused_layers == len(layers)
+    fused = run(llm)
+    saved = [layer.fused for layer in layers]
+    for layer in layers:
+        layer.fused = None
+    step_by_step = run(llm)
+    assert fused[0] == step_by_step[0]
+    assert fused[1] == step_by_step[1]
+    assert torch.equal(fused[2], step_by_step[2])
+    assert llm.engine.kv.num_free_blocks == 64
+    for layer, fusion in zip(layers, saved, strict=True):
+        layer.fused = fusion
+
+
+def test_layers_stay_step_by_step_where_the_fused_call_does_not_apply(tiny_llama_dir) -> None:
+    # The reference attention backend: the layer's attention is not the compiled kernel.
+    llm = LLM(
+        str(tiny_llama_dir),
+        quantization="int8",
+        num_kv_blocks=32,
+        block_size=8,
+        attention_backend="reference",
+    )
+    assert llm.engine.runner.model.fused_layers == 0
+    # fp32 weights: nothing to fuse.
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=8)
+    assert llm.engine.runner.model.fused_layers == 0
