@@ -11,18 +11,16 @@ other layer keeps the step-by-step forward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
 from pagedllm.attention.cpu import CpuPagedAttention
 from pagedllm.attention.cpu_plan import CpuPlan
 from pagedllm.attention.timed import TimedAttention
 from pagedllm.model.layer_ops import CompiledLayerOps
 from pagedllm.model.linear import Int8Linear
-
-if TYPE_CHECKING:
-    from pagedllm.model.llama import DecoderLayer
 
 _NONE = torch.empty(0)  # "no bias" / "no panels" in the op's weight list
 
@@ -34,7 +32,8 @@ def cpu_attention(backend: Any) -> CpuPagedAttention | None:
 
 
 class FusedInt8Layer:
-    def __init__(self, layer: DecoderLayer, ops: Any) -> None:
+    def __init__(self, layer: nn.Module, ops: Any) -> None:
+        """`layer`: a DecoderLayer (model/llama.py) that `applies`; `ops`: the kernels."""
         self.layer = layer
         self.ops = ops  # torch.ops.pagedllm_cpu
         attention = cpu_attention(layer.attention)
@@ -42,7 +41,7 @@ class FusedInt8Layer:
         self.scale = attention.scale
 
     @staticmethod
-    def applies(layer: DecoderLayer) -> bool:
+    def applies(layer: nn.Module) -> bool:
         linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
         plain = (layer.q_norm, layer.attn_out_norm, layer.mlp_out_norm, layer.parallel)
         return (
