@@ -29,7 +29,7 @@ constexpr int features_at_once() {
 
 // Calls kernel(std::integral_constant<int, M>, std::integral_constant<int, J>, begin, end)
 // for blocks [begin, end) of the n output features, in parallel, with M == m
-// (1 <= m <= kGemvMaxRows; the caller checks).
+// (m <= kGemvMaxRows; the caller checks; no rows: nothing to do).
 template <int M = 1, typename Kernel>
 void gemv_dispatch(int64_t m, int64_t n, Kernel&& kernel) {
   if (m < 1) return;  // no rows: nothing to compute (never a template for rows it lacks)
