@@ -1,6 +1,7 @@
 """The int8 decode step of the default model at a few rows, with the AVX2 GEMM's panels
 taking those rows (as the engine does without VNNI) and with the row-major gemv instead,
-alternating in one engine so that the machine's drift hits both alike (docs/kernels.md).
+alternating in one engine so that the machine's drift hits both alike (docs/kernels.md);
+the layers run step by step.
     .venv/bin/python scripts/int8_few_rows.py --batch 1 [--rounds 30]
 """
 
@@ -26,6 +27,10 @@ def main() -> None:
     args = parser.parse_args()
     config = EngineConfig(quantization="int8", kv_cache_memory="1GiB", max_num_seqs=8)
     engine, runner = engine_over_runner(config, options.get_loaded(None), False)
+    # Layer by layer (not one compiled call each, which gathers its panels once): each
+    # Int8Linear then reads the panels (or not) as this script sets them.
+    for decoder_layer in runner.model.layers:
+        decoder_layer.fused = None
     layers = [m for m in runner.model.modules() if isinstance(m, Int8Linear)]
     panels = [layer.panels for layer in layers]
     gen = torch.Generator().manual_seed(0)

@@ -19,6 +19,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from pagedllm.bench.sweep import engine_over_runner
 from pagedllm.engine.config import EngineConfig
 from pagedllm.kernels.cpu import load_cpu_ops
 from pagedllm.sampling_params import SamplingParams
+
+CURRENT_ATTENTION = CpuPagedAttention.__call__
 
 
 def median_us(fn: Callable[[], Any], repeats: int = 50) -> float:
@@ -58,30 +61,11 @@ def greedy(ops: Any) -> None:
 def former_attention(
     self: CpuPagedAttention, query, key, value, k_cache, v_cache, plan, window=None
 ):
-    """The path before the kernel wrote K/V: index_copy_ twice, then the kernel (given
-    no rows to write)."""
-    meta = plan.meta
-    write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-    q = query if query.stride(-1) == 1 else query.contiguous()
-    out = torch.empty(q.shape, dtype=torch.float32)
-    none = torch.empty(0, *key.shape[1:])
-    self.op(
-        out,
-        q,
-        none,
-        none,
-        meta.slot_mapping[:0],
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.query_start_loc,
-        meta.context_lens,
-        plan.items,
-        plan.merges,
-        self.scale,
-        window or 0,
-    )
-    return out
+    """The path before the kernel wrote K/V: index_copy_ twice, then the kernel's own call
+    given no new rows to write."""
+    write_kv(key, value, k_cache, v_cache, plan.meta.slot_mapping)
+    no_rows = replace(plan, meta=replace(plan.meta, slot_mapping=plan.meta.slot_mapping[:0]))
+    return CURRENT_ATTENTION(self, query, key[:0], value[:0], k_cache, v_cache, no_rows, window)
 
 
 def steps(quantization: str | None, batch: int, rounds: int) -> None:
@@ -89,7 +73,7 @@ def steps(quantization: str | None, batch: int, rounds: int) -> None:
         quantization=quantization, kv_cache_memory="1GiB", max_num_seqs=max(8, batch)
     )
     engine, runner = engine_over_runner(config, options.get_loaded(None), False)
-    current, kernels = CpuPagedAttention.__call__, runner.sampler.kernels
+    current, kernels = CURRENT_ATTENTION, runner.sampler.kernels
     fusions = [layer.fused for layer in runner.model.layers]
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=10 * rounds + 20, ignore_eos=True)

@@ -12,8 +12,8 @@
 // weights: the input and post-attention norms' weights, then for qkv, o, gate_up and down
 // each: inv_smooth, weight_t, weight_scale, weight_sums, bias, panels (an empty tensor for
 // "none"); kernels: the four layers' GEMM names, comma-separated. residual: None for the
-// first layer (the embeddings are the residual stream); it is updated in place, as the
-// model's is. Returns the layer's output and the residual stream.
+// first layer (then `hidden`, the embeddings, is the residual stream); the residual stream
+// is updated in place, as the model's is. Returns the layer's output and the residual.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -82,8 +82,8 @@ std::tuple<at::Tensor, at::Tensor> int8_decoder_layer(
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
-      "int8_decoder_layer(Tensor hidden, Tensor? residual, Tensor positions, Tensor cos, "
-      "Tensor sin, Tensor[] weights, str kernels, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "int8_decoder_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor positions, Tensor cos, "
+      "Tensor sin, Tensor[] weights, str kernels, Tensor(c!) k_cache, Tensor(d!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, "
       "Tensor work_items, Tensor merges, int num_heads, int num_kv_heads, int head_dim, "
       "float eps, float scale, int window) -> (Tensor, Tensor)");
