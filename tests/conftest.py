@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Llama-family models (built by `hf_oracle`), saved once
-per session, and a live server over a chat model (built by `live_server`)."""
+per session, and a live server over a chat model (built by `live_server`); the int8 GEMM
+choice in a file of the session's own."""
 
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ from pagedllm.entrypoints.llm import LLM
 
 # Deterministic, quick CPU runs whatever the machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_int8_choice(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The int8 GEMM choice is measured in this session, into its own file: one cached
+    under ~/.cache/pagedllm by an earlier run (another build, another load on the
+    machine) cannot decide which kernels the tests run."""
+    folder = tmp_path_factory.mktemp("int8-choice")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("pagedllm.model.linear.cache_dir", lambda: folder)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,15 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from live_server import LiveServer
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_trace import KVTrace
+from pagedllm.engine.listeners import StepListener
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.entrypoints.server.app import create_app
 from pagedllm.errors import RequestFailedError
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -71,19 +72,30 @@ def start_load(live: LiveServer, count: int = 400, seed: int = 0) -> threading.T
     return thread
 
 
+class PauseWhenBusy(StepListener):
+    """Pauses the engine at the end of the first step that ran `running` requests at once
+    holding `used_blocks` (on the engine's thread: no step can slip past unseen)."""
+
+    def __init__(self, live: LiveServer, running: int, used_blocks: int) -> None:
+        self.live, self.running, self.used_blocks = live, running, used_blocks
+        self.busy = threading.Event()
+
+    def on_step_end(self, step: Any, outputs: Any, ran: EngineSnapshot) -> None:
+        if self.busy.is_set() or ran.num_running < self.running:
+            return
+        if ran.usage.used_blocks >= self.used_blocks:
+            self.live.engine.pause()
+            self.busy.set()
+
+
 def freeze_when_busy(live: LiveServer, running: int = 100, used_blocks: int = 1100) -> None:
     """Pause the engine once `running` requests run at once and hold `used_blocks` (it
-    keeps its state; the step in progress when it pauses may still finish a few requests);
-    returns when no step is in progress any more."""
-    deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
-    while (snap := live.engine.snapshot).num_running < running or (
-        snap.usage.used_blocks < used_blocks
-    ):
-        assert time.monotonic() < deadline, "the load never got busy"
-        time.sleep(0.002)
-    live.engine.pause()
+    keeps its state); returns when no step is in progress any more."""
+    watch = PauseWhenBusy(live, running, used_blocks)
+    remove = asyncio.run(live.engine.call(lambda: live.engine.engine.add_listener(watch)))
+    assert watch.busy.wait(120), "the load never got busy"  # a hang guard, not a timing
     # A command runs between steps, and after pause() no step follows it.
-    asyncio.run(live.engine.call(lambda: None))
+    asyncio.run(live.engine.call(remove))
 
 
 def record_beam_search(

@@ -25,9 +25,16 @@ def run(llm: LLM) -> tuple[list[list[int]], list[float], torch.Tensor]:
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_fused_layers_give_the_step_by_step_bits(model: str, request) -> None:
     path = request.getfixturevalue(model)
-    # Prompts longer than a step's token budget: prefill in chunks beside decodes.
+    # Prompts longer than a step's token budget: prefill in chunks beside decodes. No
+    # prefix caching: the step-by-step run must compute its prompts' K/V itself, not reuse
+    # the fused run's (which would hide a wrong fused prefill).
     llm = LLM(
-        str(path), quantization="int8", num_kv_blocks=64, block_size=8, max_num_batched_tokens=16
+        str(path),
+        quantization="int8",
+        num_kv_blocks=64,
+        block_size=8,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
     )
     layers = llm.engine.runner.model.layers
     assert llm.engine.runner.model.fused_layers == len(layers)

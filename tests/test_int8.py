@@ -39,14 +39,21 @@ def test_the_kernel_equals_the_torch_path_to_the_bit(rows: int, in_f: int, out_f
 
 @pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels on this CPU")
 def test_the_avx2_path_equals_the_torch_path_too() -> None:
-    """Where the CPU has AVX-512 VNNI the kernel uses it; the AVX2 path is checked apart."""
+    """Where the CPU has AVX-512 VNNI the kernel uses it; the AVX2 path (gemv, the panels'
+    few-row path, every GEMM) is checked apart, at every row count that picks a kernel."""
     code = """
 import torch
 from pagedllm.kernels.cpu import load_cpu_ops
+from pagedllm.kernels.int8_choice import AVX2_GEMMS
 from pagedllm.model.linear import Int8Linear
+ops = load_cpu_ops()
+assert ops.int8_has_vnni()[1] is False
 g = torch.Generator().manual_seed(0)
-w, x = torch.randn(96, 200, generator=g), torch.randn(3, 200, generator=g)
-assert torch.equal(Int8Linear(w, ops=load_cpu_ops())(x), Int8Linear(w)(x))
+w = torch.randn(96, 200, generator=g)
+for rows in (1, 2, 3, 8, 9, 33):
+    x = torch.randn(rows, 200, generator=g)
+    for gemm in [*AVX2_GEMMS, "auto"]:
+        assert torch.equal(Int8Linear(w, ops=ops, gemm=gemm)(x), Int8Linear(w)(x)), (rows, gemm)
 print("ok")
 """
     env = {**os.environ, "PAGEDLLM_NO_VNNI": "1"}

@@ -17,7 +17,7 @@ import torch
 
 from pagedllm.kernels import int8_choice
 from pagedllm.kernels.cpu import load_cpu_ops, missing_cpu_features
-from pagedllm.kernels.policy import GEMV_MAX_ROWS
+from pagedllm.kernels.policy import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS
 from pagedllm.model.linear import Int8Linear
 
 pytestmark = pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels here")
@@ -31,11 +31,9 @@ def int8(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def kernels_for(rows: int) -> list[str]:
-    ops = load_cpu_ops()
+    """Every kernel for `rows` that any x86-64 CPU with AVX2 runs (the VNNI gemv: below)."""
     names = [*int8_choice.AVX2_GEMMS, "_int_mm", "auto"]
-    if rows <= GEMV_MAX_ROWS:
-        names += ["gemv avx2"] + (["gemv vnni"] if ops.int8_has_vnni()[0] else [])
-    return names
+    return names + (["gemv avx2"] if rows <= GEMV_MAX_ROWS else [])
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -49,6 +47,19 @@ def test_every_kernel_equals_the_exact_product(rows: int, k: int, n: int) -> Non
         panel = int8_choice.AVX2_GEMMS.get(kernel)
         panels = None if panel is None else ops.int8_pack_panels(w, panel)
         assert torch.equal(ops.int8_matmul(xq, w.t(), sums, panels, kernel), exact), kernel
+
+
+@pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
+def test_the_vnni_gemv_equals_the_exact_product(rows: int) -> None:
+    """The VNNI gemv, where the CPU has it; on one without, a skip says it was not run."""
+    ops = load_cpu_ops()
+    if not ops.int8_has_vnni()[0]:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    for k, n in SHAPES:
+        xq, w = int8((rows, k), rows), int8((n, k), k + n)
+        exact = (xq.long() @ w.long().t()).int()
+        sums = w.sum(dim=1, dtype=torch.int32)
+        assert torch.equal(ops.int8_matmul(xq, w.t(), sums, None, "gemv vnni"), exact), (k, n)
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -156,12 +167,20 @@ assert choice.gemm != "_int_mm" and "_int_mm" not in choice.step_ms
 model(x)
 ops.int8_matmul(torch.ones(64, 5, dtype=torch.int8), torch.ones(5, 3, dtype=torch.int8),
                 torch.full((3,), 5, dtype=torch.int32), None, "auto")
-print("ok", model[0].kernels)
+print("ok", choice.gemm, "|", model[0].kernels)
 """
     env = {**os.environ, "PAGEDLLM_NO_VNNI": "1"}
     cache = str(tmp_path / "choice.json")
     out = subprocess.run(
         [sys.executable, "-c", code, cache], capture_output=True, text=True, env=env
     )
-    assert out.stdout.startswith("ok gemv avx2"), out.stderr
-    assert "_int_mm" not in out.stdout
+    # The GEMM is chosen by timing: every AVX2 candidate is possible, and each has its label.
+    labels = {
+        "gemm avx2": f"gemm avx2 panels up to {PANEL_GEMV_MAX_ROWS} rows, gemv avx2 up to "
+        f"{GEMV_MAX_ROWS}, gemm avx2 above",
+        "gemm avx2_int16": f"gemv avx2 up to {GEMV_MAX_ROWS} rows, gemm avx2_int16 above",
+    }
+    assert set(labels) == set(int8_choice.candidates(vnni=False))
+    assert out.stdout.startswith("ok "), out.stderr
+    gemm, label = out.stdout[3:].strip().split(" | ")
+    assert label == labels[gemm]

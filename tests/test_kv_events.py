@@ -18,6 +18,7 @@ from typing import Any
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_recorder import owners_of
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.kv_view.trace_check import EVENT_FIELDS, check_event
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.pool_state import PoolState
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -89,6 +90,16 @@ def check_against_manager(engine: LLMEngine, state: PoolState) -> None:
         assert entry["blocks"] == table.blocks and entry["tokens"] == table.num_tokens
 
 
+def check_fields(events: list[dict[str, Any]], num_blocks: int) -> None:
+    """Each event passes the trace checker (what the replay page draws) and carries
+    exactly the fields of the checker's table for its kind: a field the recorder adds or
+    drops without the checker knowing fails here."""
+    for event in events:
+        check_event(event, num_blocks)
+        fields = set(EVENT_FIELDS[event["k"]])
+        assert fields - {"req"} <= set(event) - {"k", "g"} <= fields, event
+
+
 def kinds_of(events: list[dict[str, Any]]) -> list[str]:
     """Each event's kind; a `trim` that gave blocks back counts as "trim blocks" too."""
     kinds = [e["k"] for e in events]
@@ -125,6 +136,7 @@ def run(
         engine.step()
         if state is not None:
             for record in records:
+                check_fields(record["ev"], engine.kv.num_blocks)
                 state.apply_all(record["ev"])
                 kinds.update(kinds_of(record["ev"]))
             records.clear()
@@ -134,6 +146,7 @@ def run(
     recorder.flush()
     assert state is not None
     for record in records:
+        check_fields(record["ev"], engine.kv.num_blocks)
         state.apply_all(record["ev"])
         kinds.update(kinds_of(record["ev"]))
     check_against_manager(engine, state)
@@ -172,6 +185,19 @@ def test_replaying_events_of_speculative_runs() -> None:
         _, seen = run(seed, windows=windows, speculative=True, attach_at=seed * 3)
         kinds += seen
     assert {"alloc", "append", "trim", "trim blocks", "free", "cache"} <= set(kinds), kinds
+
+
+def test_every_event_kind_passes_the_trace_checker() -> None:
+    """Runs with everything at once (parallel samples and beams with their copies on
+    write, preemptions, n-gram speculation's trims, a sliding-window group's drops): every
+    event the recorder emits has exactly the fields the trace checker's table names (each
+    run checks every record), and the runs show every kind a run can emit."""
+    kinds: Counter[str] = Counter()
+    for seed in range(8):
+        _, seen = run(seed, windows=(5, None, 5), speculative=True)
+        kinds += seen
+    expected = set(EVENT_FIELDS) - {"text", "reset"}  # the text mode; a cache reset
+    assert expected <= set(kinds), expected - set(kinds)
 
 
 def test_trim_events_of_a_scripted_check() -> None:

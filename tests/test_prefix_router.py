@@ -156,3 +156,30 @@ def test_a_replica_leaving_the_set_is_forgotten() -> None:
     asyncio.run(scenario())
     assert router.known_replicas() == {b.replica_id}  # its (empty) stats set stays
     assert len(router._recent) == 0  # the prompt's blocks had gone to `a`
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("windows", [None, (5, None, 5)], ids=["one group", "hybrid"])
+def test_the_routers_hashes_are_the_engines(
+    block_size: int, windows: tuple[int | None, ...] | None
+) -> None:
+    """The router hashes a prompt exactly as the engine's prefix cache does: after a
+    request, the engine's cached hashes (what a replica reports) are the router's hashes of
+    the next turn's prompt (this one and its reply), no more, no fewer."""
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.worker.fake_runner import FakeModelRunner
+    from pagedllm.worker.runner import ModelSpec
+
+    spec = ModelSpec(1000, 4096, (0,), num_layers=len(windows or (None,)), layer_windows=windows)
+    config = EngineConfig(block_size=block_size, num_kv_blocks=256, max_model_len=512)
+    engine = LLMEngine(config, runner=FakeModelRunner(spec, seed=0))
+    prompt = [(7 * i) % 997 + 1 for i in range(45)]  # 2 full blocks of 16 and 13 tokens
+    engine.add_request("r", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    reply = list(outputs[-1].outputs[0].token_ids)
+    cached = engine.snapshot(cached_hashes=True).cached_hashes
+    assert cached == set(prompt_block_hashes(prompt + reply, block_size))
+    assert len(cached) == (45 if block_size == 1 else 2)

@@ -29,6 +29,7 @@ serve = pytest.importorskip("ray.serve")
 
 from live_server import NAME, check_error  # noqa: E402
 from pagedllm.engine.config import EngineConfig  # noqa: E402
+from pagedllm.engine.listeners import StepListener  # noqa: E402
 from pagedllm.entrypoints.ray_serve.app import (  # noqa: E402
     RayServeOptions,
     RouterOptions,
@@ -38,6 +39,7 @@ from pagedllm.errors import InvalidParameterError  # noqa: E402
 
 KEY = "ray-key"
 BLOCK = 16
+STATS_PERIOD_S = 0.5
 
 
 def free_port() -> int:
@@ -53,9 +55,11 @@ def ray_url(chat_model_dir: Path) -> Iterator[str]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = EngineConfig(model=str(chat_model_dir), num_kv_blocks=256, block_size=BLOCK)
+        # The router's memory of its own recent choices off: it routes by what the
+        # replicas report only, so routing holds only if its hashes are the engine's.
         options = RayServeOptions(
             num_replicas=2,
-            router=RouterOptions(stats_period_s=0.5),
+            router=RouterOptions(stats_period_s=STATS_PERIOD_S, recent_ttl_s=0),
             health_check_period_s=1.0,  # a killed replica is replaced within seconds
         )
         app = build_app(config, options, api_key=KEY, served_model_name=NAME)
@@ -68,6 +72,12 @@ def ray_url(chat_model_dir: Path) -> Iterator[str]:
 
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+def stats_pulled() -> None:
+    """Wait for Ray Serve to pull every replica's routing stats (its cached hashes) at
+    least once more: what a replica cached so far is then what the router knows."""
+    time.sleep(4 * STATS_PERIOD_S)
 
 
 def full_blocks(prompt_tokens: int) -> int:
@@ -91,6 +101,7 @@ def test_the_turns_of_a_conversation_follow_its_cache(ray_url: str) -> None:
             if turn > 0:  # everything of the last turn's prompt came from this replica
                 assert cached >= full_blocks(previous[i]) > 0, (turn, i)
             previous[i] = out.usage.prompt_tokens
+            stats_pulled()
             messages.append({"role": "assistant", "content": out.choices[0].message.content})
             messages.append({"role": "user", "content": f"And then? ({turn})"})
     stats = replica_stats()
@@ -223,10 +234,29 @@ def busy_replica(actors: dict[str, Any]) -> str | None:
     return None
 
 
+def throttle(actor: Any, seconds: float) -> None:
+    """Make each of the replica's engine steps take `seconds` longer (0: as before), so
+    that a stream outlasts the test's waits however fast the machine is."""
+
+    def set_delay(actor_self: Any) -> None:
+        # The Serve actor wraps our EngineReplica (a private attribute of Ray Serve's).
+        replica = actor_self._replica_impl._user_callable_wrapper._callable
+        remove = getattr(replica, "_test_throttle", None)
+        if remove is not None:
+            remove()
+        delay = {"on_step_end": lambda self, *args: time.sleep(seconds)}
+        slow = type("SlowSteps", (StepListener,), delay)()
+        replica._test_throttle = replica.engine.engine.add_listener(slow) if seconds else None
+
+    ray.get(actor.__ray_call__.remote(set_delay), timeout=30)
+
+
 def test_a_replica_killed_while_it_streams(ray_url: str) -> None:
     actors = engine_replicas()
     assert len(actors) == 2
     pids = {name: pid_of(actor) for name, actor in actors.items()}
+    for actor in actors.values():  # 400 tokens take 8 s or more: the kill comes first
+        throttle(actor, 0.02)
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": NAME, "prompt": "A long story about the sea. " * 8, "temperature": 0}
     body |= {"max_tokens": 400, "ignore_eos": True}
@@ -239,12 +269,14 @@ def test_a_replica_killed_while_it_streams(ray_url: str) -> None:
         assert stream.status_code == 200
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # it streams
+        stats_pulled()
         # The same prompt: the router sends it to the replica holding its prefix.
         whole = pool.submit(httpx.post, ray_url + "/v1/completions", json=body, headers=headers)
         busy = wait_for(lambda: busy_replica(actors), 10, "the requests did not run on one replica")
         os.kill(pids[busy], signal.SIGKILL)
         events = [line[6:] for line in lines if line.startswith("data: ")]
         r = whole.result(timeout=30)
+    throttle(next(a for name, a in actors.items() if name != busy), 0)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert (error["code"], error["type"]) == ("engine_error", "server_error")
@@ -271,6 +303,7 @@ def test_a_replica_killed_while_it_streams(ray_url: str) -> None:
     first = c.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
     messages += [{"role": "assistant", "content": first.choices[0].message.content}]
     messages += [{"role": "user", "content": "More."}]
+    stats_pulled()
     second = c.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= full_blocks(first.usage.prompt_tokens) > 0

@@ -174,8 +174,8 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[
 def decode_step_seconds(
     engine: LLMEngine, runner: RealRunner, prompts: list, steps: int
 ) -> tuple[float, float, float]:
-    """Median seconds of a decode step, and mean seconds of it in attention (`runner`
-    times it) and in collectives."""
+    """Median seconds of a decode step, and the shares of the timed steps' wall time
+    spent in attention (`runner` times it) and in collectives."""
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", p, params)
@@ -183,12 +183,16 @@ def decode_step_seconds(
     while len(started) < len(prompts):  # prefill (maybe in chunks) until all are decoding
         started.update(out.request_id for out in engine.step())
     before = attention_seconds(runner), runner.comm_seconds
+    start = time.perf_counter()
     seconds, _ = median_seconds(engine.step, steps)
-    in_attention = (attention_seconds(runner) - before[0]) / (steps + 1)  # one warm-up call
-    in_comm = (runner.comm_seconds - before[1]) / (steps + 1)
+    # Both parts over the same calls (the warm-up one included): a share below 1 however
+    # the calls' times spread.
+    wall = time.perf_counter() - start
+    attention_share = (attention_seconds(runner) - before[0]) / wall
+    comm_share = (runner.comm_seconds - before[1]) / wall
     while engine.has_unfinished_requests():
         engine.step()
-    return seconds, in_attention, in_comm
+    return seconds, attention_share, comm_share
 
 
 @torch.inference_mode()
@@ -224,15 +228,15 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     for tp in args.tensor_parallel_size:  # one engine (and its workers) at a time
         engine, runner, _ = engine_for(args, max(batches), True, tensor_parallel_size=tp)
         for batch in batches:
-            ours, in_attention, in_comm = decode_step_seconds(
+            ours, attention_share, comm_share = decode_step_seconds(
                 engine, runner, prompts[batch], args.steps
             )
             row = {"tp": tp, "batch": batch, "pagedllm_ms": round(ours * 1000, 1)}
             row["pagedllm_tok_s"] = round(batch / ours, 1)
             # Layers run as one compiled call each time their attention inside it: untimed.
             fused = getattr(getattr(runner, "model", None), "fused_layers", 0)
-            row["attention_share"] = None if fused else round(in_attention / ours, 3)
-            row["comm_share"] = round(in_comm / ours, 3)
+            row["attention_share"] = None if fused else round(attention_share, 3)
+            row["comm_share"] = round(comm_share, 3)
             row["of_floor"] = round(ours * 1000 / floor_ms, 2)
             if hf is not None:
                 theirs = hf_ms[batch]

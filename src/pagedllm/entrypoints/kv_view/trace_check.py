@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 # The fields each kind of event carries, by how they are checked.
-_EVENT_FIELDS: dict[str, dict[str, str]] = {
+EVENT_FIELDS: dict[str, dict[str, str]] = {
     "alloc": {"seq": "id", "req": "req", "blocks": "blocks", "tokens": "count"},
     "append": {"seq": "id", "req": "req", "tokens": "count"},
     "hit": {"seq": "id", "req": "req", "blocks": "entries"},
@@ -77,10 +77,10 @@ class _Checker:
 
     def event(self, event: Any, where: str) -> None:
         kind = _dict(event, where).get("k")
-        fields = _EVENT_FIELDS.get(kind) if isinstance(kind, str) else None
+        fields = EVENT_FIELDS.get(kind) if isinstance(kind, str) else None
         if fields is None:
             raise ValueError(
-                f"{where}.k must be one of {', '.join(_EVENT_FIELDS)}, got {_show(kind)}"
+                f"{where}.k must be one of {', '.join(EVENT_FIELDS)}, got {_show(kind)}"
             )
         for name, rule in fields.items():
             if name not in event and rule != "req":
@@ -88,6 +88,11 @@ class _Checker:
             getattr(self, rule)(event.get(name), f"{where}.{name}")
         if "g" in event:
             self.count(event["g"], f"{where}.g")
+
+
+def check_event(event: Any, num_blocks: int, where: str = "event") -> None:
+    """ValueError naming the first field of one event the page could not draw safely."""
+    _Checker(num_blocks).event(event, where)
 
 
 def check_trace(trace: Mapping[str, Any]) -> None:

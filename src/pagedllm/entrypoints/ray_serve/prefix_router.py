@@ -175,6 +175,8 @@ class PrefixAwareRouter(RequestRouter):
         return n
 
     def _remember(self, hashes: list[bytes], replica_id: ReplicaID, now: float) -> None:
+        if not self.recent_ttl_s:  # 0: no memory of recent choices, the stats alone
+            return
         for h in hashes:
             self._recent[h] = (replica_id, now)
             self._recent.move_to_end(h)
