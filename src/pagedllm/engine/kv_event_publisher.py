@@ -67,6 +67,7 @@ class KVEventPublisher:
             self._socket.set_hwm(hwm)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not the first
+            self._socket.setsockopt(zmq.IPV6, endpoint.startswith("tcp://["))  # [::1] binds
             if keys is not None:
                 self._authenticate(keys)
             self._socket.bind(endpoint)
