@@ -3,19 +3,28 @@ publishes (`kv_events_endpoint`), decodes vLLM's wire layout by hand (plain msgp
 arrays, tagged events, topic + sequence number frames), checks every block hash from the
 token ids it carries, and rebuilds the engine's set of cached blocks exactly, through
 prefix hits, evictions and a reset. A subscriber that never reads, or none at all, costs
-the engine nothing: it produces the same tokens as an engine that publishes nothing."""
+the engine nothing: it produces the same tokens as an engine that publishes nothing.
+The events carry every prompt's token ids: the publisher binds this machine only unless
+told otherwise, and then lets in only subscribers holding an allowed CURVE key."""
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import zmq
+import zmq.auth
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.kv_event_access import CLIENT_PUBLIC_KEYS_ENV, SERVER_SECRET_KEY_ENV
+from pagedllm.engine.kv_event_publisher import KVEventPublisher
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.engine_args import engine_config
 from pagedllm.errors import InvalidParameterError
@@ -167,7 +176,7 @@ def test_no_subscriber_or_a_stalled_one_changes_nothing_in_the_engine(
     plain = LLM(str(tiny_llama_dir), **options)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     for stalled in (False, True):
-        llm = LLM(str(tiny_llama_dir), kv_events_endpoint="tcp://*:*", **options)
+        llm = LLM(str(tiny_llama_dir), kv_events_endpoint=ENDPOINT, **options)
         if stalled:  # subscribes, then never reads, with room for one message
             subscribe(llm, sockets, RCVHWM=1)
         got = llm.generate(prompts * 3, GREEDY, use_tqdm=False)
@@ -187,3 +196,180 @@ def test_the_endpoint_is_an_engine_option_checked_at_creation() -> None:
         with pytest.raises(InvalidParameterError) as info:
             engine_config(build_parser().parse_args(["serve", "--kv-events-endpoint", bad]))
         assert info.value.param == "kv_events_endpoint"
+
+
+# ------------------------------------------------------------ who may subscribe
+@pytest.fixture
+def no_key_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SERVER_SECRET_KEY_ENV, raising=False)
+    monkeypatch.delenv(CLIENT_PUBLIC_KEYS_ENV, raising=False)
+
+
+@pytest.fixture
+def certificates(tmp_path: Path) -> dict[str, Path]:
+    """zmq.auth certificates: the publisher's, an allowed subscriber's (its public key in
+    the folder `allowed`, where the publisher reads only .key files) and a stranger's."""
+    for folder in ("allowed", "stranger"):
+        (tmp_path / folder).mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
+    _, allowed_secret = zmq.auth.create_certificates(tmp_path / "allowed", "router")
+    _, stranger_secret = zmq.auth.create_certificates(tmp_path / "stranger", "stranger")
+    return {
+        "server": Path(server_public),
+        "server_secret": Path(server_secret),
+        "allowed": tmp_path / "allowed",
+        "allowed_secret": Path(allowed_secret),
+        "stranger_secret": Path(stranger_secret),
+    }
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "tcp://*:5557",
+        "tcp://0.0.0.0:5557",
+        "tcp://[::]:5557",
+        "tcp://192.168.1.20:5557",
+        "tcp://eth0:5557",
+        "tcp://router.example:5557",
+    ],
+)
+def test_an_endpoint_other_machines_reach_is_refused_without_allow_remote(endpoint) -> None:
+    for make in (
+        lambda: EngineConfig(kv_events_endpoint=endpoint),
+        lambda: engine_config(
+            build_parser().parse_args(["serve", "--kv-events-endpoint", endpoint])
+        ),
+    ):
+        with pytest.raises(InvalidParameterError) as info:
+            make()
+        assert info.value.param == "kv_events_endpoint"
+        assert "--kv-events-allow-remote" in str(info.value)
+        assert "tcp://127.0.0.1:PORT" in str(info.value)
+
+
+def test_local_endpoints_need_neither_the_flag_nor_keys(no_key_in_env) -> None:
+    for endpoint in (
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.2:*",
+        "tcp://localhost:5557",
+        "tcp://[::1]:5557",
+        "ipc:///run/pagedllm/kv.sock",
+        "inproc://kv",
+    ):
+        assert EngineConfig(kv_events_endpoint=endpoint).kv_events_keys() is None
+
+
+def test_a_remote_endpoint_without_keys_is_refused_unless_unauthenticated_is_asked(
+    no_key_in_env, certificates
+) -> None:
+    remote = dict(kv_events_endpoint="tcp://*:5557", kv_events_allow_remote=True)
+    with pytest.raises(InvalidParameterError) as info:
+        EngineConfig(**remote)
+    assert info.value.param == "kv_events_server_key"
+    assert "--kv-events-allow-unauthenticated" in str(info.value)
+    args = ["serve", "--kv-events-endpoint", "tcp://*:5557", "--kv-events-allow-remote"]
+    with pytest.raises(InvalidParameterError):
+        engine_config(build_parser().parse_args(args))
+    opted_out = engine_config(
+        build_parser().parse_args([*args, "--kv-events-allow-unauthenticated"])
+    )
+    assert opted_out.kv_events_keys() is None
+    # Half the keys, or a certificate without the key asked for, is refused by name.
+    halves = [
+        (dict(kv_events_server_key=str(certificates["server_secret"])), "kv_events_client_keys"),
+        (dict(kv_events_client_keys=str(certificates["allowed"])), "kv_events_server_key"),
+        (
+            dict(
+                kv_events_server_key=str(certificates["server"]),  # the public half
+                kv_events_client_keys=str(certificates["allowed"]),
+            ),
+            "kv_events_server_key",
+        ),
+        (
+            dict(
+                kv_events_server_key=str(certificates["server_secret"]),
+                kv_events_client_keys=str(certificates["server"].parent / "nowhere"),
+            ),
+            "kv_events_client_keys",
+        ),
+    ]
+    for keys, param in halves:
+        with pytest.raises(InvalidParameterError) as info:
+            EngineConfig(**remote, **keys)
+        assert info.value.param == param
+
+
+def test_the_keys_come_from_files_or_the_environment(monkeypatch, certificates) -> None:
+    files = EngineConfig(
+        kv_events_endpoint="tcp://*:5557",
+        kv_events_allow_remote=True,
+        kv_events_server_key=str(certificates["server_secret"]),
+        kv_events_client_keys=str(certificates["allowed"]),
+    ).kv_events_keys()
+    server_public, server_secret = zmq.auth.load_certificate(certificates["server_secret"])
+    (allowed_public,) = zmq.auth.load_certificates(certificates["allowed"])
+    assert files is not None and files.server_public == server_public
+    assert files.client_publics == {allowed_public}
+    assert server_secret.decode() not in repr(files)  # a secret never reaches a log line
+    monkeypatch.setenv(SERVER_SECRET_KEY_ENV, server_secret.decode())
+    monkeypatch.setenv(CLIENT_PUBLIC_KEYS_ENV, f" {allowed_public.decode()}, ")
+    remote = EngineConfig(kv_events_endpoint="tcp://*:5557", kv_events_allow_remote=True)
+    assert remote.kv_events_keys() == files
+    monkeypatch.setenv(CLIENT_PUBLIC_KEYS_ENV, "not-a-key")
+    with pytest.raises(InvalidParameterError) as info:
+        remote.kv_events_keys()
+    assert info.value.param == "kv_events_client_keys"
+
+
+def test_only_subscribers_with_an_allowed_key_receive_a_prompts_tokens(
+    tiny_llama_dir, sockets, certificates
+) -> None:
+    llm = LLM(
+        str(tiny_llama_dir),
+        block_size=4,
+        kv_events_endpoint="tcp://*:*",
+        kv_events_allow_remote=True,
+        kv_events_server_key=str(certificates["server_secret"]),
+        kv_events_client_keys=str(certificates["allowed"]),
+    )
+    publisher = llm.engine.kv_events
+    assert publisher is not None
+    address = "tcp://127.0.0.1:" + publisher.endpoint.rsplit(":", 1)[1]
+    server_public, _ = zmq.auth.load_certificate(certificates["server"])
+
+    def subscriber(secret: Path | None) -> zmq.Socket:
+        socket = zmq.Context.instance().socket(zmq.SUB)
+        sockets.append(socket)
+        if secret is not None:
+            socket.curve_publickey, socket.curve_secretkey = zmq.auth.load_certificate(secret)
+            socket.curve_serverkey = server_public
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(address)
+        return socket
+
+    anyone = subscriber(None)  # no credentials at all
+    stranger = subscriber(certificates["stranger_secret"])  # knows the server, not allowed
+    router = subscriber(certificates["allowed_secret"])
+    assert publisher.wait_for_subscribers(1)
+    assert not publisher.wait_for_subscribers(2, timeout=1.0)  # the other two never got in
+    secret_prompt = list(range(101, 117))  # 4 full blocks of someone's prompt
+    llm.generate([ids(secret_prompt)], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert router.poll(10_000)
+    _, _, payload = router.recv_multipart()
+    stored = msgspec.msgpack.decode(payload)[1][0]
+    assert stored[0] == "BlockStored" and stored[3] == secret_prompt
+    assert anyone.poll(500) == 0 and stranger.poll(500) == 0
+    llm.engine.shutdown()
+
+
+def test_an_ipc_socket_file_is_its_owners_only(tmp_path: Path) -> None:
+    old_umask = os.umask(0o000)  # the most open a user's umask can leave it
+    try:
+        publisher = KVEventPublisher(f"ipc://{tmp_path}/kv.sock")
+    finally:
+        os.umask(old_umask)
+    try:
+        assert stat.S_IMODE(os.stat(tmp_path / "kv.sock").st_mode) == 0o600
+    finally:
+        publisher.close()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from pagedllm.core.reservation import check_policy
+from pagedllm.engine.kv_event_access import CurveKeys, publisher_keys
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.block_table import check_block_size
 from pagedllm.spec.config import SpeculativeConfig, speculative_config_from
@@ -28,9 +29,6 @@ _UNITS = {
     "MIB": 2**20,
     "GIB": 2**30,
 }
-
-
-_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9a-fA-F:.]+\]|[\w.-]+):(\*|\d{1,5})|(ipc|inproc)://\S+")
 
 
 def parse_size(value: int | str, param: str = "kv_cache_memory") -> int:
@@ -74,9 +72,15 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
     seed: int = 0
     # Publish the prefix cache's changes (vLLM's KV events: msgpack over ZeroMQ) on this
-    # endpoint, which the engine binds: "tcp://127.0.0.1:5557", "tcp://*:5557" (every
-    # interface), port * for any free one; None: no events.
+    # endpoint, which the engine binds: "tcp://127.0.0.1:5557", port * for any free one,
+    # "ipc://PATH"; None: no events. They carry every prompt's token ids, so an endpoint
+    # other machines can reach ("tcp://*:5557") needs kv_events_allow_remote, and then
+    # CURVE keys (engine/kv_event_access.py, docs/kv-events.md).
     kv_events_endpoint: str | None = None
+    kv_events_allow_remote: bool = False
+    kv_events_server_key: str | None = None  # the publisher's .key_secret certificate
+    kv_events_client_keys: str | None = None  # subscribers' .key certificates: a folder or one
+    kv_events_allow_unauthenticated: bool = False  # remote without keys: anyone may subscribe
     # Speculative decoding (spec/config.py, docs/speculative.md): "ngram" proposes the
     # next num_speculative_tokens tokens by prompt lookup, "draft" has a smaller model
     # with the same vocabulary (speculative_model, a path or packaged name as `model`)
@@ -113,19 +117,27 @@ class EngineConfig:
                 "speculative decoding needs kv_reservation='paged': the contiguous "
                 f"baselines reserve their slots up front, got {self.kv_reservation!r}",
             )
-        if self.kv_events_endpoint is not None and not _ENDPOINT.fullmatch(self.kv_events_endpoint):
-            raise InvalidParameterError(
-                "kv_events_endpoint",
-                "kv_events_endpoint must be a ZeroMQ endpoint: tcp://HOST:PORT (HOST * to "
-                f"bind every interface), ipc://PATH or inproc://NAME, got "
-                f"{self.kv_events_endpoint!r}",
-            )
+        self.kv_events_keys()  # the endpoint and the keys checked now, before a model loads
 
     @cached_property
     def runner_options(self) -> RunnerOptions:
         """What the model runner computes with: this configuration's share of options
         (built, and so checked, once: in __post_init__)."""
         return RunnerOptions.of(self)
+
+    def kv_events_keys(self) -> CurveKeys | None:
+        """The CURVE keys the KV-event publisher authenticates subscribers with (None: none),
+        once its endpoint is checked. Read from their files or the environment at each call:
+        secrets are not kept in the configuration, which is sent to replicas."""
+        if self.kv_events_endpoint is None:
+            return None
+        return publisher_keys(
+            self.kv_events_endpoint,
+            allow_remote=self.kv_events_allow_remote,
+            server_key=self.kv_events_server_key,
+            client_keys=self.kv_events_client_keys,
+            allow_unauthenticated=self.kv_events_allow_unauthenticated,
+        )
 
     @cached_property
     def speculative_config(self) -> SpeculativeConfig | None:

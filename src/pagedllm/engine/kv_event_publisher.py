@@ -10,21 +10,28 @@ the batch and counts it (`num_dropped`); the sequence number still advances, so 
 subscriber sees the gap. Nothing a subscriber does (or fails to do) holds the engine.
 
 The publisher binds its endpoint and subscribers connect to it: `tcp://127.0.0.1:5557`
-(this machine only), `tcp://*:5557` (every interface), port `*` for any free one
-(`endpoint` then says which), `ipc://PATH`. (vLLM connects instead when the host is not a
-wildcard; a router that binds and waits for engines to connect does not work here.)
+(this machine only), `tcp://*:5557` (every interface, when allowed), port `*` for any free one
+(`endpoint` then says which), `ipc://PATH` (a socket file only its owner may open). (vLLM
+connects instead when the host is not a wildcard; a router that binds and waits for
+engines to connect does not work here.) Where it may bind, and with which keys, is
+decided before (engine/kv_event_access.py): given CURVE keys, the socket is a CURVE server
+and a ZAP handler of its own ZeroMQ context lets in only the allowed subscriber keys; a
+subscriber without them never completes the handshake, so it receives nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from pagedllm.engine.kv_event_access import CurveKeys
 from pagedllm.engine.kv_event_wire import KVEventBatch, encoder
 
 logger = logging.getLogger("pagedllm")
@@ -40,7 +47,7 @@ class KVEventPublisher:
         topic: str = "",
         max_queue: int = 10_000,
         hwm: int = 100_000,
-        context: zmq.Context | None = None,
+        keys: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.topic = topic.encode()
@@ -52,14 +59,27 @@ class KVEventPublisher:
         self._subscribers = 0
         self._subscribed = threading.Condition()
         self._seq = itertools.count()
-        ctx = context or zmq.Context.instance()
-        self._socket = ctx.socket(zmq.XPUB)
-        self._socket.set_hwm(hwm)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not the first
-        self._socket.bind(endpoint)
-        # What a subscriber connects to (the port chosen, when `*` was asked for).
-        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        # A context of its own: a ZAP handler serves every socket of its context.
+        self._context = zmq.Context()
+        self._authenticator: ThreadAuthenticator | None = None
+        self._socket = self._context.socket(zmq.XPUB)
+        try:
+            self._socket.set_hwm(hwm)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not the first
+            self._socket.setsockopt(zmq.IPV6, endpoint.startswith("tcp://["))  # [::1] binds
+            if keys is not None:
+                self._authenticate(keys)
+            self._socket.bind(endpoint)
+            # What a subscriber connects to (the port chosen, when `*` was asked for).
+            self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            transport, _, path = self.endpoint.partition("://")
+            if transport == "ipc" and not path.startswith("@"):  # @: Linux's abstract names
+                # Other local users may open the socket file as the umask left it: not now.
+                os.chmod(path, 0o600)
+        except BaseException:
+            self._close_socket()
+            raise
         self._thread = threading.Thread(target=self._run, name="pagedllm-kv-events", daemon=True)
         self._thread.start()
 
@@ -91,6 +111,21 @@ class KVEventPublisher:
             self._queue.put(_STOP)
         self._thread.join(timeout)
 
+    def _authenticate(self, keys: CurveKeys) -> None:
+        """Be a CURVE server that lets in only the subscribers holding an allowed key."""
+        self._authenticator = ThreadAuthenticator(self._context)
+        self._authenticator.start()
+        self._authenticator.configure_curve_callback("*", _AllowedKeys(keys.client_publics))
+        self._socket.curve_secretkey = keys.server_secret
+        self._socket.curve_publickey = keys.server_public
+        self._socket.curve_server = True
+
+    def _close_socket(self) -> None:
+        self._socket.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._context.term()
+
     # ------------------------------------------------------------- the thread
     def _run(self) -> None:
         encode = encoder().encode
@@ -113,7 +148,7 @@ class KVEventPublisher:
         except Exception:
             logger.exception("KV events: the publisher thread failed; no more events are sent")
         finally:
-            self._socket.close(linger=0)
+            self._close_socket()
 
     def _note_subscriptions(self) -> None:
         """Count (un)subscriptions: XPUB hands them over as b"\\x01topic" / b"\\x00topic"."""
@@ -123,3 +158,13 @@ class KVEventPublisher:
                 with self._subscribed:
                     self._subscribers += 1 if message[:1] == b"\x01" else -1
                     self._subscribed.notify_all()
+
+
+class _AllowedKeys:
+    """The ZAP handler's question, answered: is this subscriber's key (Z85) allowed?"""
+
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys

@@ -44,6 +44,7 @@ from pagedllm.core.sequence import Request, Sequence
 from pagedllm.engine.beam_search import BeamState, advance_beams
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.grammars import Grammars
+from pagedllm.engine.kv_event_access import CurveKeys, who_may_subscribe
 from pagedllm.engine.kv_recorder import KVRecorder, Record, Sink, engine_snapshot
 from pagedllm.engine.listeners import Listeners, StepListener
 from pagedllm.engine.output_processor import OutputProcessor
@@ -147,7 +148,9 @@ class LLMEngine:
         )
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events_endpoint is not None:
-            self.kv_events = self._publish_kv_events(config.kv_events_endpoint)
+            self.kv_events = self._publish_kv_events(
+                config.kv_events_endpoint, config.kv_events_keys()
+            )
         logger.info(
             "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d; "
             "%d layer group(s) of %d layers, windows %s",
@@ -300,15 +303,20 @@ class LLMEngine:
             self.kv_events = None
         self.runner.shutdown()
 
-    def _publish_kv_events(self, endpoint: str) -> KVEventPublisher:
-        """Publish the prefix cache's changes (engine/cache_events.py) to `endpoint`."""
+    def _publish_kv_events(self, endpoint: str, keys: CurveKeys | None) -> KVEventPublisher:
+        """Publish the prefix cache's changes (engine/cache_events.py) to `endpoint`, to
+        the subscribers `keys` allows (None: to anyone who can connect)."""
         # Imported here: pyzmq and msgspec are loaded only by an engine that publishes.
         from pagedllm.engine.cache_events import CacheEventCollector
         from pagedllm.engine.kv_event_publisher import KVEventPublisher
 
-        publisher = KVEventPublisher(endpoint)
+        publisher = KVEventPublisher(endpoint, keys=keys)
         self.add_listener(CacheEventCollector(self.kv, publisher.publish))
-        logger.info("KV events: publishing to %s", publisher.endpoint)
+        logger.info(
+            "KV events: publishing to %s (%s)",
+            publisher.endpoint,
+            who_may_subscribe(endpoint, keys),
+        )
         return publisher
 
     # ------------------------------------------------------------------- step

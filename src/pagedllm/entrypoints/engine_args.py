@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedllm.core.reservation import RESERVATION_POLICIES
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.kv_event_access import CLIENT_PUBLIC_KEYS_ENV, SERVER_SECRET_KEY_ENV
 from pagedllm.kv.block_table import MAX_BLOCK_SIZE
 from pagedllm.spec.config import DRAFT_QUANTIZATIONS
 from pagedllm.worker.options import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
@@ -93,9 +94,32 @@ OPTIONS = (
     _Option("seed", "seed of the sampling of unseeded requests", int, flag="--engine-seed"),
     _Option(
         "kv_events_endpoint",
-        "publish prefix-cache events (vLLM's KV events, msgpack over ZeroMQ PUB) on this "
-        "endpoint, which routers subscribe to: tcp://127.0.0.1:PORT, tcp://*:PORT (every "
-        "interface), ipc://PATH",
+        "publish prefix-cache events (vLLM's KV events, msgpack over ZeroMQ PUB; they carry "
+        "every prompt's token ids) on this endpoint, which routers subscribe to: "
+        "tcp://127.0.0.1:PORT, ipc://PATH (this machine only); tcp://*:PORT or another "
+        "address needs --kv-events-allow-remote",
+    ),
+    _Option(
+        "kv_events_allow_remote",
+        "let --kv-events-endpoint be an address other machines can reach (a wildcard or a "
+        "non-loopback address); subscribers must then hold a CURVE key of "
+        "--kv-events-client-keys, unless --kv-events-allow-unauthenticated",
+        boolean=True,
+    ),
+    _Option(
+        "kv_events_server_key",
+        "the KV-event publisher's CURVE secret key: a .key_secret certificate as "
+        f"zmq.auth.create_certificates writes (default: ${SERVER_SECRET_KEY_ENV})",
+    ),
+    _Option(
+        "kv_events_client_keys",
+        "the CURVE public keys of the subscribers allowed: a directory of .key certificates, "
+        f"or one (default: ${CLIENT_PUBLIC_KEYS_ENV}, Z85 keys separated by commas)",
+    ),
+    _Option(
+        "kv_events_allow_unauthenticated",
+        "with --kv-events-allow-remote and no keys: publish anyway, to anyone who can connect",
+        boolean=True,
     ),
     _Option(
         "speculative_method",
