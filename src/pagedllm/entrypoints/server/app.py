@@ -72,8 +72,9 @@ def create_app(
     """The app; the engine loop starts with the app (or at the first request) and stops
     with it. `max_waiting` bounds the backlog: requests waiting beyond what the engine can
     admit (HTTP 503 past it), each prompt of a batch counted. `max_prompts_per_request`:
-    the most prompts one /v1/completions request may carry (HTTP 400 past it). `body_timeout`: seconds a client has to send its whole body
-    (HTTP 408 after). `allowed_origins`: browser origins allowed by CORS ("*" for any).
+    the most prompts one /v1/completions request may carry (HTTP 400 past it).
+    `body_timeout`: seconds a client has to send its whole body (HTTP 408 after).
+    `allowed_origins`: browser origins allowed by CORS ("*" for any).
     `kv_view`: serve the KV view at /kv, updating every `kv_view_interval` seconds at most,
     with token text only if `kv_view_text`. `tool_call_parser`: how the model writes a tool
     call, read back under tool_choice "auto" (tool_parsers.py; ValueError if unknown)."""
