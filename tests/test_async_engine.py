@@ -238,6 +238,27 @@ def test_max_waiting_bounds_only_the_requests_beyond_what_can_be_admitted(make_e
     assert [len(ids) for ids in finals] == [12, 12, 12] and used == 0
 
 
+def test_every_request_of_a_group_counts_against_max_waiting(make_engine) -> None:
+    """A group is queued whole only if it leaves the backlog within max_waiting: two
+    sequence slots and max_waiting=3 take a group of 5, not one of 6, and none of it."""
+    engine = make_engine(max_waiting=3, max_num_seqs=2)
+    engine.pause()
+
+    async def main() -> int:
+        group = [(f"big{i}", PROMPTS[0], GREEDY) for i in range(6)]
+        with pytest.raises(EngineOverloadedError, match="these 6 requests would leave 4"):
+            await engine.add_requests(group)
+        assert not engine.engine.has_unfinished_requests()  # all or nothing
+        stream = await engine.add_requests(group[:5])
+        assert (await engine.call(engine.engine.snapshot)).backlog == 3
+        engine.resume()
+        finals = [out async for out in stream if out.finished]
+        assert len(finals) == 5
+        return await used_blocks(engine)
+
+    assert asyncio.run(main()) == 0
+
+
 def test_requests_added_together_share_one_stream(make_engine) -> None:
     engine = make_engine()
 

@@ -245,6 +245,49 @@ def test_overload_gets_503_with_retry_after(chat_model_dir: Path) -> None:
         live.close()
 
 
+def test_every_prompt_of_a_batch_counts_against_max_waiting(chat_model_dir: Path) -> None:
+    """300 prompts in one request, max_waiting=8 and 4 sequence slots: refused whole with
+    a 503, as single requests are, never admitted in part; a batch that fits is taken."""
+    live = start_server(
+        chat_model_dir, {"max_num_seqs": 4}, max_waiting=8, max_prompts_per_request=1000
+    )
+    engine = live.engine
+    engine.pause()
+    url = live.url + "/v1/completions"
+    body = {"model": NAME, "max_tokens": 2, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", url, json={**body, "prompt": ["Hello"] * 300}) as r:
+            assert r.status_code == 503, "a batch of 300 was admitted"
+            r.read()
+            check_error(r, 503, code="server_overloaded", words=("max_waiting=8",))
+        assert live.metrics()["pagedllm:num_requests_waiting"] == 0  # none of it stayed
+        # 4 admissible + 8 beyond: exactly the limit. One more prompt is one too many.
+        with httpx.stream("POST", url, json={**body, "prompt": ["Hello"] * 12}) as fits:
+            assert fits.status_code == 200
+            live.wait_metrics(num_requests_waiting=12, num_requests_backlog=8)
+            for extra in (["Hello"], "Hello"):
+                r = httpx.post(url, json={**body, "prompt": extra})
+                check_error(r, 503, code="server_overloaded")
+            assert live.metrics()["pagedllm:num_requests_waiting"] == 12
+            engine.resume()
+            assert [line for line in fits.iter_lines() if line][-1] == "data: [DONE]"
+        live.assert_pool_whole()
+    finally:
+        engine.resume()
+        live.close()
+
+
+def test_a_batch_past_the_prompt_limit_is_a_400_naming_prompt(server: LiveServer) -> None:
+    body = {"model": NAME, "prompt": [[1, 2]] * 257, "max_tokens": 1, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 400, "a batch of 257 prompts was taken"
+        r.read()
+        check_error(r, 400, param="prompt", words=("257", "at most 256"))
+    body["prompt"] = [[1, 2]] * 256
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+    server.assert_pool_whole()
+
+
 def test_max_waiting_lets_an_idle_server_take_a_burst_it_has_room_for(
     server: LiveServer,
 ) -> None:

@@ -271,3 +271,95 @@ def test_tool_errors_name_the_field(server: LiveServer) -> None:
     ]:
         check_error(post(server, chat, max_tokens=5, **body), 400, param=param, code=code)
     server.assert_pool_whole()
+
+
+def test_response_format_on_completions(server: LiveServer) -> None:
+    """As vLLM: json_schema and json_object hold a completion's text too; text is plain."""
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}
+    r = client.completions.create(
+        model=NAME, prompt="Hi", max_tokens=60, n=2, extra_body={"response_format": fmt}
+    )
+    for choice in r.choices:
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+    empty = server.engine.engine.tokenizer.convert_tokens_to_ids("{}")  # favoured: short
+    r = client.completions.create(
+        model=NAME,
+        prompt="Hi",
+        max_tokens=40,
+        temperature=0,
+        logit_bias={str(empty): 30},
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert json.loads(r.choices[0].text) == {} and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(
+        model=NAME, prompt="Hi", max_tokens=5, extra_body={"response_format": {"type": "text"}}
+    )
+    assert r.choices[0].finish_reason == "length"
+    check_error(
+        post(server, "completions", response_format={"type": "xml"}),
+        400,
+        param="response_format.type",
+    )
+    check_error(
+        post(server, "completions", response_format={"type": "json_object"}, guided_regex="a"),
+        400,
+        param="guided_regex",
+    )
+    server.assert_pool_whole()
+
+
+TAGS = {"type": "array", "items": {"type": "integer"}, "maxItems": 3}
+# (schema, the keyword the grammar would drop, its pointer)
+UNENFORCED = [
+    ({"type": "string", "format": "regex"}, "format", "/format"),
+    (
+        {"type": "object", "properties": {"tags": {**TAGS, "uniqueItems": True}}},
+        "uniqueItems",
+        "/properties/tags/uniqueItems",
+    ),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"multipleOf": 2}}, "if", "/if"),
+    ({"type": "integer", "not": {"const": 3}}, "not", "/not"),
+    ({"$ref": "https://example.com/schema.json"}, "$ref", "/$ref"),
+]
+
+
+def test_strict_refuses_keywords_the_grammar_would_not_enforce(server: LiveServer) -> None:
+    for path in ("chat/completions", "completions"):
+        for schema, keyword, pointer in UNENFORCED:
+            strict = {"name": "t", "schema": schema, "strict": True}
+            fmt = {"type": "json_schema", "json_schema": strict}
+            error = check_error(
+                post(server, path, max_tokens=20, response_format=fmt),
+                400,
+                param="response_format.json_schema",
+                code="unsupported_parameter",
+                words=(repr(keyword), f" at {pointer} ", "strict"),
+            )
+            assert error["message"].startswith("response_format.json_schema: ")
+            # Without strict the schema is taken, the keyword not enforced (docs say so).
+            lax = {"type": "json_schema", "json_schema": {**strict, "strict": False}}
+            assert post(server, path, max_tokens=20, response_format=lax).status_code == 200
+        # What the grammar holds passes under strict.
+        held = {"type": "object", "properties": {"tags": TAGS}, "required": ["tags"]}
+        fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": held, "strict": True}}
+        assert post(server, path, max_tokens=20, response_format=fmt).status_code == 200
+    server.assert_pool_whole()
+
+
+def test_json_schema_strict_must_be_a_boolean(server: LiveServer) -> None:
+    for strict in ("yes", 1, [True]):
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": "t", "schema": SCHEMA, "strict": strict},
+        }
+        for path in ("chat/completions", "completions"):
+            check_error(
+                post(server, path, max_tokens=5, response_format=fmt),
+                400,
+                param="response_format.json_schema.strict",
+                words=("true or false",),
+            )
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": None}}
+    assert post(server, "chat/completions", max_tokens=5, response_format=fmt).status_code == 200
+    server.assert_pool_whole()

@@ -12,10 +12,13 @@ from typing import Any
 
 import httpx
 import openai
+import xgrammar as xgr
 from pydantic import BaseModel, Field
+from xgrammar.testing import _is_grammar_accept_string
 
 from live_server import CHAT, NAME, LiveServer, check_error
 from pagedllm.engine.prompts import encode_chat
+from pagedllm.entrypoints.server.tools import tool_use
 
 WEATHER = {
     "type": "function",
@@ -228,4 +231,117 @@ def test_bad_tool_history_names_the_field(server: LiveServer) -> None:
             json={"model": NAME, "messages": messages, "max_tokens": 2},
         )
         check_error(r, 400, param=param)
+    server.assert_pool_whole()
+
+
+def chat(server: LiveServer, **body: Any) -> httpx.Response:
+    body.setdefault("messages", CHAT)
+    return httpx.post(
+        f"{server.url}/v1/chat/completions", json={"model": NAME, "max_tokens": 2, **body}
+    )
+
+
+def test_parallel_tool_calls_false_gives_at_most_one_call(server: LiveServer) -> None:
+    two = f"{CALL}\\nand {CALL}"
+    r = auto(server, two, max_completion_tokens=150, parallel_tool_calls=False)
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls"
+    assert len(choice.message.tool_calls or []) == 1, choice.message.tool_calls
+    assert choice.message.content == "and"  # the dropped call is not sent as text either
+    stream = auto(server, two, max_completion_tokens=150, parallel_tool_calls=False, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert len([d for c in chunks for d in c.choices[0].delta.tool_calls or ()]) == 1
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    r = auto(server, two, max_completion_tokens=150, parallel_tool_calls=True)
+    assert len(r.choices[0].message.tool_calls or []) == 2
+    # "required": the grammar holds the output to an array of one call.
+    for seed in range(2):
+        r = server.client().chat.completions.create(
+            model=NAME,
+            messages=CHAT,  # type: ignore[arg-type]
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_completion_tokens=80,
+            seed=seed,
+        )
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert len(r.choices[0].message.tool_calls or []) == 1
+    check_error(
+        chat(server, tools=[WEATHER], parallel_tool_calls="no"), 400, param="parallel_tool_calls"
+    )
+    server.assert_pool_whole()
+
+
+def test_required_without_parallel_calls_has_a_one_call_grammar() -> None:
+    def accepts(schema: dict[str, Any], calls: list[dict[str, Any]]) -> bool:
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, strict_mode=True
+        )
+        return _is_grammar_accept_string(grammar, json.dumps(calls))
+
+    one = [{"name": "get_time", "parameters": {}}]
+    single = tool_use([WEATHER, TIME], "required", parallel_tool_calls=False)
+    several = tool_use([WEATHER, TIME], "required")
+    assert single is not None and several is not None
+    assert single.schema is not None and several.schema is not None
+    assert accepts(single.schema, one) and not accepts(single.schema, one * 2)
+    assert accepts(several.schema, one * 2)
+
+
+def test_tool_parameters_must_be_an_object_schema(server: LiveServer) -> None:
+    named = {"type": "function", "function": {"name": "f"}}
+    for parameters in (
+        {"type": "string"},
+        {"type": "array", "items": {"type": "integer"}},
+        {"properties": {"a": {"type": "string"}}},
+        ["x"],
+    ):
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        for choice in (named, "auto", "required", "none"):
+            check_error(
+                chat(server, tools=[WEATHER, tool], tool_choice=choice),
+                400,
+                param="tools[1].function.parameters",
+                words=('"type": "object"',),
+            )
+    server.assert_pool_whole()
+
+
+def test_a_tool_result_must_answer_an_earlier_call(server: LiveServer) -> None:
+    user, assistant, result = HISTORY
+    other = {**result, "tool_call_id": "call_2"}
+    for messages, param in [
+        ([user, assistant, other], "messages[2].tool_call_id"),
+        ([user, result, assistant], "messages[1].tool_call_id"),
+        ([user, result], "messages[1].tool_call_id"),
+        ([user, assistant, result, other], "messages[3].tool_call_id"),
+    ]:
+        check_error(chat(server, messages=messages), 400, param=param, words=("answers no",))
+    assert chat(server, messages=HISTORY).status_code == 200
+    server.assert_pool_whole()
+
+
+def test_a_strict_tool_refuses_keywords_the_grammar_would_not_enforce(server: LiveServer) -> None:
+    tags = {"type": "array", "items": {"type": "integer"}, "maxItems": 3, "uniqueItems": True}
+    parameters = {"type": "object", "properties": {"tags": tags}, "required": ["tags"]}
+    named = {"type": "function", "function": {"name": "f"}}
+
+    def tool(strict: Any) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": "f", "parameters": parameters, "strict": strict},
+        }
+
+    for choice in (named, "required"):
+        check_error(
+            chat(server, tools=[TIME, tool(True)], tool_choice=choice),
+            400,
+            param="tools[1].function.parameters",
+            words=("'uniqueItems' at /properties/tags/uniqueItems",),
+        )
+        assert chat(server, tools=[TIME, tool(False)], tool_choice=choice).status_code == 200
+    # Under "auto" no grammar holds the arguments: nothing to refuse.
+    assert chat(server, tools=[TIME, tool(True)]).status_code == 200
+    check_error(chat(server, tools=[tool("yes")]), 400, param="tools[0].function.strict")
     server.assert_pool_whole()

@@ -8,7 +8,8 @@ sleeps on a condition while there is nothing to do. A failure is contained: requ
 whose add or delivery raises fail alone, and so do those the engine's step reports
 failed (`RequestOutput.error`); only if step() itself raises does every request fail.
 `max_waiting` bounds the backlog: the waiting requests beyond what the engine could
-admit now (`EngineSnapshot.backlog`). `snapshot` is the engine's snapshot after the
+admit now (`EngineSnapshot.backlog`); every request of a group counts, and a group that
+would take the backlog past it is refused whole. `snapshot` is the engine's snapshot after the
 loop's latest iteration, safe to read from any thread.
 
 `AsyncLLMEngine.build` constructs the engine on that thread too, so that one thread does
@@ -203,7 +204,8 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue (request id, prompt, params) requests together, all or none, and return
         one stream of their outputs. Raises InvalidParameterError (a bad or oversized
-        request) or EngineOverloadedError (the backlog is at `max_waiting`).
+        request) or EngineOverloadedError (the backlog is at `max_waiting`, or these
+        requests would take it past).
 
         Pass token ids to keep tokenization off the engine thread: a text prompt is
         tokenized on it, and every running request waits meanwhile."""
@@ -223,6 +225,14 @@ class AsyncLLMEngine:
                 for request_id, prompt, params in requests:
                     self.engine.add_request(request_id, prompt, params, arrival_time)
                     added.append(request_id)
+                # Every request of a group counts: queued, they must leave the backlog
+                # within the limit, or none of them stays.
+                if limit is not None and (backlog := self.engine.snapshot().backlog) > limit:
+                    raise EngineOverloadedError(
+                        f"the server is overloaded: these {len(requests)} requests would leave "
+                        f"{backlog} waiting beyond what the engine can admit "
+                        f"(max_waiting={limit}); retry later"
+                    )
             except BaseException:
                 for request_id in added:
                     self.engine.abort(request_id)

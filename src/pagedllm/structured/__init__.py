@@ -1,4 +1,5 @@
 """Structured output: grammars compiled for the model's tokenizer (grammar.py, kept by
 the engine with each sequence's matcher) and the token masks the sampler applies
-(bitmask.py). Everything here imports xgrammar (and so torch): the engine imports it only
-when a request asks for structured output."""
+(bitmask.py). Those import xgrammar (and so torch): the engine imports them only when a
+request asks for structured output. unenforced.py (plain Python) knows which JSON-schema
+keywords the grammar would not enforce."""

@@ -102,7 +102,8 @@ def build_app(
     config: EngineConfig, options: RayServeOptions | None = None, **server: Any
 ) -> serve.Application:
     """The application; `server`: create_app's options (api_key, served_model_name,
-    max_waiting, max_request_bytes, body_timeout, allowed_origins, enable_docs)."""
+    max_waiting, max_request_bytes, body_timeout, max_prompts_per_request, allowed_origins,
+    enable_docs)."""
     options = options or RayServeOptions()
     deployment_options: dict[str, Any] = dict(
         name="EngineReplica",

@@ -33,6 +33,7 @@ def run_ray_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
         body_timeout=args.body_timeout,
+        max_prompts_per_request=args.max_prompts_per_request,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         enable_docs=args.enable_docs,
     )

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.server.kv_feed import KVFeed
 from pagedllm.entrypoints.server.kv_routes import kv_router
 from pagedllm.entrypoints.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BYTES,
     check_limits,
 )
@@ -60,6 +61,7 @@ def create_app(
     max_waiting: int | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     allowed_origins: Sequence[str] = (),
     enable_docs: bool = False,
     kv_view: bool = True,
@@ -69,8 +71,10 @@ def create_app(
 ) -> FastAPI:
     """The app; the engine loop starts with the app (or at the first request) and stops
     with it. `max_waiting` bounds the backlog: requests waiting beyond what the engine can
-    admit (HTTP 503 past it). `body_timeout`: seconds a client has to send its whole body
-    (HTTP 408 after). `allowed_origins`: browser origins allowed by CORS ("*" for any).
+    admit (HTTP 503 past it), each prompt of a batch counted. `max_prompts_per_request`:
+    the most prompts one /v1/completions request may carry (HTTP 400 past it).
+    `body_timeout`: seconds a client has to send its whole body (HTTP 408 after).
+    `allowed_origins`: browser origins allowed by CORS ("*" for any).
     `kv_view`: serve the KV view at /kv, updating every `kv_view_interval` seconds at most,
     with token text only if `kv_view_text`. `tool_call_parser`: how the model writes a tool
     call, read back under tool_choice "auto" (tool_parsers.py; ValueError if unknown)."""
@@ -78,12 +82,14 @@ def create_app(
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     elif max_waiting is not None:
         engine.max_waiting = max_waiting
-    check_limits(max_request_bytes, body_timeout)
+    check_limits(max_request_bytes, body_timeout, max_prompts_per_request)
     key = ApiKey(api_key)
     llm = engine.engine
     name = served_model_name or default_model_name(llm.config.model)
     metrics = ServerMetrics(engine)
-    serving = Serving(engine, metrics, name, parser_factory(tool_call_parser))
+    serving = Serving(
+        engine, metrics, name, parser_factory(tool_call_parser), max_prompts_per_request
+    )
 
     # FastAPI's own docs routes cannot take the key: docs_router's can.
     app = FastAPI(

@@ -1,5 +1,5 @@
 """The chat completions request: messages (messages.py), the sampling fields it shares
-with completions (protocol.py), chat's own response_format, and tools (tools.py).
+with completions (protocol.py, response_format included), and tools (tools.py).
 
 Tools are offered to the model through the chat template unless tool_choice is "none";
 "required" and a named function constrain the output by grammar, so they cannot be
@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from pagedllm.entrypoints.server.messages import ChatMessage
+from pagedllm.entrypoints.server.messages import ChatMessage, check_tool_results
 from pagedllm.entrypoints.server.protocol import SamplingRequest, refuse
 from pagedllm.entrypoints.server.structured import Structured
 from pagedllm.entrypoints.server.tools import ToolUse, tool_use
@@ -29,9 +29,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -41,6 +41,7 @@ class ChatCompletionRequest(SamplingRequest):
         self.check_common()
         for i, message in enumerate(self.messages):
             message.check(f"messages[{i}]")
+        check_tool_results(self.messages)
         # Asking for nothing (plain text) is fine; anything else would be ignored.
         refuse(
             {
@@ -67,12 +68,9 @@ class ChatCompletionRequest(SamplingRequest):
         names = {"prompt": "messages", "max_tokens": max_tokens, "logprobs": "top_logprobs"}
         return {**names, **self.structured_names()}
 
-    def _response_format(self) -> dict[str, Any] | None:
-        return self.response_format
-
     def tool_use(self) -> ToolUse | None:
         """How the request uses its tools (None: no tools, or tool_choice "none")."""
-        return tool_use(self.tools, self.tool_choice)
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     def structured(self) -> Structured | None:
         asked = super().structured()

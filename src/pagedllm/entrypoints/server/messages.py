@@ -3,14 +3,17 @@
 An assistant message may carry the `tool_calls` it made (OpenAI's shape: `id`, `type:
 "function"`, `function: {name, arguments}` with `arguments` the JSON text of an object;
 then `content` may be null), and a `tool` message carries a call's result (`tool_call_id`,
-`content`). `template_dict` gives each message as chat templates take it: `arguments` as an
-object, as Hugging Face templates expect. A bad shape is an InvalidParameterError naming
-the exact field (e.g. `messages[2].tool_calls[0].function.arguments`).
+`content`), which must answer a call of an earlier assistant message (`check_tool_results`,
+as OpenAI requires). `template_dict` gives each message as chat templates take it:
+`arguments` as an object, as Hugging Face templates expect. A bad shape is an
+InvalidParameterError naming the exact field (e.g.
+`messages[2].tool_calls[0].function.arguments`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -90,6 +93,21 @@ class ChatMessage(BaseModel):
                 for call in self.tool_calls
             ]
         return out
+
+
+def check_tool_results(messages: Sequence[ChatMessage]) -> None:
+    """InvalidParameterError naming the first `tool` message whose tool_call_id is no call
+    of an earlier assistant message (after each message's `check`)."""
+    called: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.role == "assistant" and message.tool_calls:
+            called.update(call["id"] for call in message.tool_calls)
+        elif message.role == "tool" and message.tool_call_id not in called:
+            raise InvalidParameterError(
+                f"messages[{i}].tool_call_id",
+                f"messages[{i}].tool_call_id {message.tool_call_id!r} answers no tool call: "
+                "no earlier assistant message made a call with that id"[:300],
+            )
 
 
 def _calls(calls: Any, where: str) -> None:

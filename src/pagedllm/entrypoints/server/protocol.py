@@ -5,10 +5,11 @@ strictly, so a field of the wrong type is an error, not a silent conversion.
 
 Requests accept OpenAI's sampling fields (logit_bias included) plus vLLM's extensions
 (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...), and
-structured output (chat's response_format, vLLM's guided_* and structured_outputs: see
-structured.py). Fields that would change the answer but that this server cannot honour
-(image parts, suffix, ...) are refused by `check()` with InvalidParameterError naming
-them, rather than silently ignored; other unknown fields are ignored.
+structured output (response_format, on completions too as in vLLM; vLLM's guided_* and
+structured_outputs: see structured.py). Fields that would change the answer but that this
+server cannot honour (image parts, suffix, ...) are refused by `check()` with
+InvalidParameterError naming them, rather than silently ignored; other unknown fields are
+ignored.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # vLLM's structured output (entrypoints/server/structured.py)
+    # structured output (entrypoints/server/structured.py)
+    response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -111,10 +113,7 @@ class SamplingRequest(BaseModel):
             "guided_choice": self.guided_choice,
             "guided_grammar": self.guided_grammar,
         }
-        return from_fields(guided, self.structured_outputs, self._response_format())
-
-    def _response_format(self) -> dict[str, Any] | None:
-        return None
+        return from_fields(guided, self.structured_outputs, self.response_format)
 
     def structured_names(self) -> dict[str, str]:
         """Engine parameters of structured output -> the request's field."""

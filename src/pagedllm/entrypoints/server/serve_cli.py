@@ -12,6 +12,7 @@ from typing import Any
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_config
 from pagedllm.entrypoints.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BYTES,
     check_limits,
 )
@@ -40,7 +41,14 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="refuse new requests with 503 while this many are waiting beyond what the "
-        "engine can admit (default: no limit)",
+        "engine can admit, or when a request's prompts would take the count past it "
+        "(default: no limit)",
+    )
+    p.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        help="most prompts in one /v1/completions batch (400 beyond; default %(default)s)",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -131,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.getLogger("pagedllm").setLevel(args.log_level.upper())
     # Bad values fail here, before a model loads (create_app checks the limits again).
-    check_limits(args.max_request_bytes, args.body_timeout)
+    check_limits(args.max_request_bytes, args.body_timeout, args.max_prompts_per_request)
     config = engine_config(args)
     if args.ray:
         from pagedllm.entrypoints.ray_serve.cli import run_ray_serve
@@ -146,6 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_request_bytes=args.max_request_bytes,
             body_timeout=args.body_timeout,
+            max_prompts_per_request=args.max_prompts_per_request,
             allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
             enable_docs=args.enable_docs,
             kv_view=args.kv_view,

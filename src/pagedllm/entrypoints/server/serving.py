@@ -1,7 +1,8 @@
 """The `/v1/completions` and `/v1/chat/completions` handlers: request -> SamplingParams and
 prompt token ids (tokenized off the engine thread) -> engine -> OpenAI response (one JSON
-body, or Server-Sent Events with `stream: true`). A completion's `prompt` may be a batch:
-prompt i's choices are i*n .. i*n+n-1, as in vLLM, and usage is summed.
+body, or Server-Sent Events with `stream: true`). A completion's `prompt` may be a batch
+(at most `max_prompts_per_request` prompts): prompt i's choices are i*n .. i*n+n-1, as in
+vLLM, and usage is summed.
 
 Both endpoints share one flow (`Serving._start`, then `Serving._respond`): check the
 request, build its SamplingParams, encode its prompts, queue them, then stream or collect
@@ -30,6 +31,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.server.errors import from_invalid_param
+from pagedllm.entrypoints.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.protocol import CompletionRequest
@@ -97,6 +99,7 @@ class Serving:
     model_name: str
     # how the model writes a tool call (tool_parsers.py), read back under "auto"
     parser_factory: Callable[[Collection[str]], ToolParser] = PARSERS[DEFAULT_PARSER]
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
     encoder: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -177,7 +180,7 @@ class Serving:
 
     # ---------------------------------------------------------- completions
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        s = await self._start(req, raw, "cmpl", lambda: self.encoder.prompts(req.prompts()))
+        s = await self._start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
         k = req.logprobs
         n = s.params.n
 
@@ -200,6 +203,18 @@ class Serving:
 
         objects = ("text_completion", "text_completion")
         return await self._respond(s, req, raw, objects, stream_choices, final_choices)
+
+    def _batch(self, req: CompletionRequest) -> list[str] | list[list[int]]:
+        """The request's prompts; InvalidParameterError past the server's batch limit."""
+        prompts = req.prompts()
+        limit = self.max_prompts_per_request
+        if len(prompts) > limit:
+            raise InvalidParameterError(
+                "prompt",
+                f"prompt is a batch of {len(prompts)} prompts; this server takes at most "
+                f"{limit} in one request",
+            )
+        return prompts
 
     def _completion_logprobs(self, d: Delta, k: int) -> dict[str, Any]:
         out = r.CompletionLogProbs()

@@ -1,10 +1,13 @@
 """Structured output on the wire: the request fields that ask for it -> StructuredOutputs.
 
-Chat's OpenAI `response_format` (`json_object`, or `json_schema` with `{name, schema,
-strict}`), and on both endpoints vLLM's extra fields: `guided_json`, `guided_regex`,
-`guided_choice`, `guided_grammar`, or the newer `structured_outputs` object. One per
-request. `Structured.field` is the request's own field, so that a grammar the engine
-cannot compile is a 400 naming what the client sent (e.g. `response_format.json_schema`).
+OpenAI's `response_format` (`text`, `json_object`, or `json_schema` with `{name, schema,
+strict}`; on completions too, as vLLM takes it), and vLLM's extra fields: `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`, or the newer `structured_outputs`
+object. One per request. `Structured.field` is the request's own field, so that a grammar
+the engine cannot compile is a 400 naming what the client sent (e.g.
+`response_format.json_schema`). With `strict: true` a schema keyword that the grammar
+would not enforce (structured/unenforced.py) is a 400 naming it; without, it is accepted
+and not enforced.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.errors import InvalidParameterError
+from pagedllm.errors import UNSUPPORTED, InvalidParameterError
 from pagedllm.sampling_params import KINDS, StructuredOutputs
+from pagedllm.structured.unenforced import find_unenforced
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's guided_* fields -> StructuredOutputs' fields
@@ -75,12 +79,33 @@ def _response_format(rf: dict[str, Any]) -> list[Structured]:
         return [Structured(StructuredOutputs(json_object=True), "response_format")]
     field = "response_format.json_schema"
     js = rf.get("json_schema")
-    schema = js.get("schema") if isinstance(js, dict) else None
-    if not isinstance(schema, dict):
+    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
         raise InvalidParameterError(
             field, f"{field} must be an object with a 'schema' (a JSON schema object)"
         )
+    schema, strict = js["schema"], js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        got = {str: "a string", list: "an array", dict: "an object"}.get(type(strict), "a number")
+        raise InvalidParameterError(
+            f"{field}.strict", f"{field}.strict must be true or false, got {got}"
+        )
+    if strict:
+        check_enforced(schema, field)
     return [Structured(_spec(field, json=schema), field)]
+
+
+def check_enforced(schema: dict[str, Any], field: str) -> None:
+    """InvalidParameterError naming `field` if the grammar would not enforce all of
+    `schema` (strict output asked for)."""
+    found = find_unenforced(schema)
+    if found is not None:
+        raise InvalidParameterError(
+            field,
+            f"{field}: with strict true, every keyword must hold, but {found.keyword!r} at "
+            f"{found.pointer} would not ({found.why}); remove it, or set strict to false "
+            "to accept the schema without it",
+            UNSUPPORTED,
+        )
 
 
 def _spec(field: str, **fields: Any) -> StructuredOutputs:

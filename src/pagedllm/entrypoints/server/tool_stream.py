@@ -11,6 +11,8 @@ the deltas (`whole`), so a stream and a whole answer always agree.
 * named: the output is the arguments: the call opens at once and its arguments stream;
 * required: the output is a JSON array of `{"name", "parameters"}` objects: each call is
   sent when its object closes (the array's brackets and commas are not content).
+
+Calls past the request's `max_calls` (`parallel_tool_calls: false`: one) are dropped.
 """
 
 from __future__ import annotations
@@ -65,9 +67,8 @@ class ToolCallStream:
         deltas = []
         for obj in self._scan.feed(text):
             call = _required_call(obj, self.use.functions)
-            if call is not None:
-                deltas.append(_opening(self.calls, call.name, call.arguments))
-                self.calls += 1
+            if call is not None and (delta := self._open(call)):
+                deltas.append(delta)
         return "", deltas
 
     def finish(self) -> tuple[str, list[Delta]]:
@@ -81,11 +82,16 @@ class ToolCallStream:
         for piece in pieces:
             if piece.call is None:
                 text += piece.text
-                continue
-            call: ParsedCall = piece.call
-            deltas.append(_opening(self.calls, call.name, call.arguments))
-            self.calls += 1
+            elif delta := self._open(piece.call):
+                deltas.append(delta)
         return text, deltas
+
+    def _open(self, call: ParsedCall) -> Delta | None:
+        """The delta that opens `call` whole, or None past the request's `max_calls`."""
+        if self.use.max_calls is not None and self.calls >= self.use.max_calls:
+            return None
+        self.calls += 1
+        return _opening(self.calls - 1, call.name, call.arguments)
 
     def whole(self, text: str) -> Whole:
         """Content and calls of a whole output (this stream is used up)."""

@@ -9,6 +9,13 @@
   calls, each one of the tools (vLLM's shape). The tools are offered to the model too.
 * "none": the tools are not offered to the model, and nothing is parsed.
 
+A function's `parameters` must be an object schema (`"type": "object"`), as OpenAI
+requires: its arguments are an object. Its `strict` (a boolean) is honoured where a
+grammar holds the arguments ("required", named): a keyword the grammar would not enforce
+is then refused, as for `response_format` (structured.py). `parallel_tool_calls: false`
+allows at most one call: "required" is held to a one-call array by its grammar, and under
+"auto" the calls after the first are dropped (vLLM's way).
+
 Calls carry ids `call_` + 24 hex digits; `finish_reason` is "tool_calls" when the output
 ended by itself with at least one call. tool_stream.py turns the text into calls, in
 pieces while streaming.
@@ -17,9 +24,11 @@ pieces while streaming.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pagedllm.entrypoints.server.structured import check_enforced
 from pagedllm.errors import InvalidParameterError
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -38,9 +47,10 @@ class ToolUse:
     schema: dict[str, Any] | None = None
     field: str = "tools"
     named: str | None = None
+    max_calls: int | None = None  # None: any number
 
 
-def tool_use(tools: Any, tool_choice: Any) -> ToolUse | None:
+def tool_use(tools: Any, tool_choice: Any, parallel_tool_calls: bool = True) -> ToolUse | None:
     """How the request uses its tools, or None (no tools, or tool_choice "none");
     InvalidParameterError names the field that is wrong."""
     if tool_choice == "none" or (not tools and tool_choice is None):
@@ -51,8 +61,9 @@ def tool_use(tools: Any, tool_choice: Any) -> ToolUse | None:
         raise InvalidParameterError("tool_choice", "tool_choice needs tools")
     functions = _functions(tools)
     offered = tuple(tools)
+    max_calls = None if parallel_tool_calls else 1
     if tool_choice in (None, "auto"):
-        return ToolUse("auto", offered, functions)
+        return ToolUse("auto", offered, functions, max_calls=max_calls)
     if tool_choice == "required":
         calls = [
             {
@@ -64,7 +75,10 @@ def tool_use(tools: Any, tool_choice: Any) -> ToolUse | None:
             for name, params in functions.items()
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        return ToolUse("required", offered, functions, schema, "tools")
+        if max_calls is not None:
+            schema["maxItems"] = max_calls
+        _check_strict(tools, functions)
+        return ToolUse("required", offered, functions, schema, "tools", max_calls=max_calls)
     name = _named(tool_choice)
     if name not in functions:
         raise InvalidParameterError(
@@ -72,6 +86,7 @@ def tool_use(tools: Any, tool_choice: Any) -> ToolUse | None:
             f"tool_choice.function.name {name!r} is not one of the tools: " + ", ".join(functions),
         )
     where = f"tools[{list(functions).index(name)}].function.parameters"
+    _check_strict(tools, {name})
     return ToolUse("named", offered, functions, functions[name], where, name)
 
 
@@ -95,13 +110,28 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
                 f"got {name!r}",
             )
         params = fn.get("parameters", NO_PARAMETERS)
-        if not isinstance(params, dict):
+        if not isinstance(params, dict) or params.get("type") != "object":
             raise InvalidParameterError(
                 f"{where}.function.parameters",
-                f"{where}.function.parameters must be a JSON schema object",
+                f'{where}.function.parameters must be a JSON schema with "type": "object" '
+                "(a function's arguments are an object)",
+            )
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidParameterError(
+                f"{where}.function.strict", f"{where}.function.strict must be true or false"
             )
         functions[name] = params
     return functions
+
+
+def _check_strict(tools: list[dict[str, Any]], held: Collection[str]) -> None:
+    """For each tool asking for `strict` whose arguments a grammar holds (`held`): every
+    keyword of its parameters must be enforced (after `_functions`)."""
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if fn.get("strict") and fn["name"] in held:
+            check_enforced(fn.get("parameters", NO_PARAMETERS), f"tools[{i}].function.parameters")
 
 
 def _named(tool_choice: Any) -> str:
