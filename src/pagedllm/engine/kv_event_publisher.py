@@ -51,6 +51,7 @@ class KVEventPublisher:
     ) -> None:
         self.endpoint = endpoint
         self.topic = topic.encode()
+        self.num_published = 0  # batches handed to `publish`, dropped ones included
         self.num_dropped = 0  # batches dropped because the queue was full
         self.num_sent = 0
         # (sequence number, batch): numbered as published, so a dropped batch is a gap
@@ -86,6 +87,7 @@ class KVEventPublisher:
     def publish(self, batch: KVEventBatch) -> None:
         """Queue a batch; never blocks (a full queue drops it, counted)."""
         seq = next(self._seq)
+        self.num_published = seq + 1
         try:
             self._queue.put_nowait((seq, batch))
         except queue.Full:
