@@ -104,6 +104,18 @@ class Scheduler:
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
 
+    def new_seq(
+        self, token_ids: list[int], index: int = 0, num_prompt_tokens: int | None = None
+    ) -> Sequence:
+        """A new sequence over a copy of `token_ids` (all of them prompt unless
+        `num_prompt_tokens` says otherwise), with the next sequence id."""
+        return Sequence(
+            seq_id=self.new_seq_id(),
+            token_ids=list(token_ids),
+            num_prompt_tokens=len(token_ids) if num_prompt_tokens is None else num_prompt_tokens,
+            index=index,
+        )
+
     def check_fits(
         self,
         num_tokens: int,

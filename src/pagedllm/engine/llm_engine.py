@@ -135,9 +135,7 @@ class LLMEngine:
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, max_len)
         self._beams: dict[str, BeamState] = {}  # request id -> its beam search
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
-        self.rows = RowBuilder(
-            self.scheduler, self._beams, self.grammars, self.eos_token_ids, self._new_seq
-        )
+        self.rows = RowBuilder(self.scheduler, self._beams, self.grammars, self.eos_token_ids)
         self.num_steps = 0  # steps that ran something
         self.listeners = Listeners(self.kv)
         self.stats = EngineStats()
@@ -213,7 +211,7 @@ class LLMEngine:
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = self.grammars.start(params.structured_outputs)
-        seq = self._new_seq(prompt_ids)
+        seq = self.scheduler.new_seq(prompt_ids)
         if grammar is not None:
             self.grammars.add(seq.seq_id, grammar)
         request = Request(
@@ -490,7 +488,9 @@ class LLMEngine:
         top_logprobs: list[list[float]],
     ) -> None:
         def fork(parent: Sequence) -> Sequence:
-            child = self._new_seq(parent.token_ids, len(req.seqs), parent.num_prompt_tokens)
+            child = self.scheduler.new_seq(
+                parent.token_ids, len(req.seqs), parent.num_prompt_tokens
+            )
             self.scheduler.fork(req, parent, child)
             return child
 
@@ -501,16 +501,6 @@ class LLMEngine:
         top = [(top_ids[i], top_logprobs[i]) for _, i in entries]
         # When the search ends every beam is dropped, and with the last one the request.
         advance_beams(self._beams[req.request_id], beams, top, fork, drop)
-
-    def _new_seq(
-        self, token_ids: list[int], index: int = 0, num_prompt_tokens: int | None = None
-    ) -> Sequence:
-        return Sequence(
-            seq_id=self.scheduler.new_seq_id(),
-            token_ids=list(token_ids),
-            num_prompt_tokens=len(token_ids) if num_prompt_tokens is None else num_prompt_tokens,
-            index=index,
-        )
 
     def _fork(self, forks: list[tuple[Request, Sequence, Sequence]]) -> None:
         for req, parent, child in forks:

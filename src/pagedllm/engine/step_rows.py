@@ -8,7 +8,7 @@ first draw, and which row checks a sequence's proposed tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
@@ -62,15 +62,12 @@ class RowBuilder:
         beams: dict[str, BeamState],
         grammars: Grammars,
         eos_token_ids: set[int],
-        new_seq: Callable[..., Sequence],
     ) -> None:
-        """`beams`: the engine's beam searches by request id (read, never changed);
-        `new_seq(token_ids, index)`: a new sequence (a sample forked at its first draw)."""
+        """`beams`: the engine's beam searches by request id (read, never changed)."""
         self.scheduler = scheduler
         self.beams = beams
         self.grammars = grammars
         self.eos_token_ids = eos_token_ids
-        self.new_seq = new_seq
 
     def rows_of(
         self, step: SchedulerOutput
@@ -130,7 +127,10 @@ class RowBuilder:
         params = sampling_params(req)
         if params.num_seqs == 1 or seq.num_output_tokens > 0 or len(req.seqs) > 1:
             return [seq]
-        return [seq, *(self.new_seq(seq.token_ids, index=i) for i in range(1, params.num_seqs))]
+        return [
+            seq,
+            *(self.scheduler.new_seq(seq.token_ids, index=i) for i in range(1, params.num_seqs)),
+        ]
 
     def _sample_row(self, row: int, req: Request, seq: Sequence) -> SampleRow:
         params = sampling_params(req)
