@@ -22,6 +22,7 @@ TORCH_FREE = [
     "worker/options.py",
     "kernels/policy.py",
     "errors.py",
+    "bounded_json.py",
     "spec/__init__.py",
     "spec/ngram.py",
     "spec/config.py",
@@ -32,7 +33,8 @@ EVERYTHING = "*"
 # output alone, and gets its own options (worker/options.py), not the engine's config.
 ALLOWED: dict[str, set[str] | str] = {
     "errors": set(),
-    "sampling_params": {"errors"},
+    "bounded_json": set(),
+    "sampling_params": {"errors", "bounded_json"},
     "kv": {"errors"},
     "core": {"kv", "errors", "sampling_params"},
     "kernels": {"errors"},

@@ -55,7 +55,9 @@ class StandInHandle:
     def generate(self) -> StandInHandle:
         return self
 
-    def remote(self, requests: list, arrival_time: float | None) -> StandInCall:
+    def remote(
+        self, requests: list, arrival_time: float | None, grammar_param: str | None
+    ) -> StandInCall:
         self.sent += 1
         return self.calls[self.sent - 1]
 

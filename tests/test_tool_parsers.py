@@ -77,6 +77,24 @@ def test_hermes_malformed_stays_text(block: str) -> None:
     assert parse(text) == (text, [])
 
 
+def test_model_output_nested_thousands_deep_is_not_a_call() -> None:
+    """A model (unconstrained under "auto") can write JSON nested deeper than any parser's
+    recursion: it stays text, and the request goes on."""
+    deep_array = "[" * 3000 + "]" * 3000
+    deep_object = '{"a":' * 3000 + "1" + "}" * 3000
+    for body in (
+        deep_array,
+        f'{{"name": "get_time", "arguments": {deep_object}}}',
+        f'{{"name": "get_time", "arguments": {json.dumps(deep_object)}}}',
+    ):
+        text = f"Hi <tool_call>{body}</tool_call> bye"
+        assert parse(text) == (text, [])
+    # "required": an element of the array whose parameters nest that deep is no call.
+    stream = ToolCallStream(tool_use([WEATHER, TIME], "required"), HermesToolParser)
+    whole = stream.whole(f'[{{"name": "get_time", "parameters": {deep_object}}}]')
+    assert whole.calls == []
+
+
 def test_hermes_fed_in_pieces_agrees_with_whole() -> None:
     text = (
         'A <b> <tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call> end <tool'

@@ -38,7 +38,15 @@ class RequestFailedError(RuntimeError):
 
 
 class EngineOverloadedError(RuntimeError):
-    """Too many requests are already waiting: retry later (HTTP 503)."""
+    """Too many requests are already waiting: retry later (HTTP 503). `retry_after_s`,
+    when known, is how long until there is room."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[type, tuple[str, float | None]]:
+        return (type(self), (str(self), self.retry_after_s))
 
 
 class NoFreeBlocksError(RuntimeError):

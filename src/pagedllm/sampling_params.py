@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json as _json
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.bounded_json import JSONTooDeepError, check_depth, loads
 from pagedllm.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
@@ -24,22 +26,33 @@ INT64_MAX = 2**63 - 1  # every integer a client sends must fit the kernels' int6
 GREEDY_TEMPERATURE = 1e-5
 
 
+# A client's value quoted in a message: a container is shown a few levels and items deep
+# (repr would recurse through all of it, and fail on one nested a thousand deep).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel = 4
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = 20
+_SHOWN.maxstring = _SHOWN.maxother = 80
+
+
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
         if _too_big(value):
             allowed += " (integers must fit in 64 bits)"
-        shown = repr(value)
+        shown = _SHOWN.repr(value) if isinstance(value, (list, tuple, dict)) else repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise InvalidParameterError(name, f"{name} must be {allowed}, got {shown}")
 
 
 def _too_big(value: object) -> bool:
-    """An integer past int64, alone or inside a list or map."""
-    if isinstance(value, dict):
-        return any(_too_big(v) for v in value)
-    if isinstance(value, (list, tuple)):
-        return any(_too_big(v) for v in value)
-    return isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX
+    """An integer past int64, alone or inside lists and maps (their keys), at any depth."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, int) and not -INT64_MAX - 1 <= item <= INT64_MAX:
+            return True
+    return False
 
 
 def _is_int(x: object) -> bool:
@@ -85,15 +98,20 @@ class StructuredOutputs:
             )
         if self.json is not None:
             schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = _json.loads(schema)
-                except ValueError as exc:
-                    raise InvalidParameterError(
-                        "structured_outputs.json",
-                        f"structured_outputs.json must be a JSON schema; its text is not JSON: "
-                        f"{exc}",
-                    ) from None
+            try:
+                if isinstance(schema, str):
+                    schema = loads(schema)
+                else:
+                    check_depth(schema)
+            except JSONTooDeepError as exc:
+                raise InvalidParameterError(
+                    "structured_outputs.json", f"structured_outputs.json {exc}"
+                ) from None
+            except ValueError as exc:
+                raise InvalidParameterError(
+                    "structured_outputs.json",
+                    f"structured_outputs.json must be a JSON schema; its text is not JSON: {exc}",
+                ) from None
             _check(
                 isinstance(schema, dict),
                 "structured_outputs.json",
@@ -133,17 +151,54 @@ class StructuredOutputs:
 
     def key(self) -> tuple[str, str]:
         """(kind, text): the same grammar gives the same key (the compile cache's). A
-        schema's text is compact but keeps its order: the output follows the order of
-        its properties."""
+        schema's text is compact, without its annotations (a changed description is the
+        same grammar), and keeps its order: the output follows the order of its
+        properties."""
         kind = self.kind
         if kind == "json":
             schema = self.json if isinstance(self.json, dict) else _json.loads(str(self.json))
-            return kind, _json.dumps(schema, separators=(",", ":"))
+            return kind, _json.dumps(_without_annotations(schema), separators=(",", ":"))
         if kind == "choice":
             return kind, _json.dumps(list(self.choice or ()))
         if kind == "json_object":
             return kind, ""
         return kind, str(getattr(self, kind))
+
+
+# JSON Schema's annotations (its meta-data vocabulary, and comments): they do not change
+# which documents match, nor the grammar compiled from the schema.
+_ANNOTATIONS = frozenset(
+    {"title", "description", "examples", "default", "deprecated", "readOnly", "writeOnly"}
+    | {"$comment"}
+)
+# Where a schema holds schemas: one, a list of them, or a map of names to them. Other
+# values (`enum`, `const`, `required`, ...) are data and stay as they are.
+_SUBSCHEMA = frozenset(
+    {"additionalProperties", "not", "if", "then", "else", "contains", "propertyNames"}
+    | {"additionalItems", "unevaluatedItems", "unevaluatedProperties", "items"}
+)
+_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_SUBSCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+
+
+def _without_annotations(schema: Any) -> Any:
+    """`schema` without the annotations of any schema in it (depth checked already)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _ANNOTATIONS:
+            continue
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _without_annotations(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [_without_annotations(sub) for sub in value]
+        elif key in _SUBSCHEMA:
+            value = _without_annotations(value)
+        out[key] = value
+    return out
 
 
 @dataclass(frozen=True)

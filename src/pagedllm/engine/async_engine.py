@@ -12,6 +12,11 @@ admit now (`EngineSnapshot.backlog`); every request of a group counts, and a gro
 would take the backlog past it is refused whole. `snapshot` is the engine's snapshot after the
 loop's latest iteration, safe to read from any thread.
 
+Grammars (structured output) are compiled before a request is handed to that thread, on
+threads of their own that only wait for the compiler's worker processes: a compile takes
+milliseconds to seconds (up to the compiler's bound), which no running stream must wait
+for. The engine gets the compiled grammar with the request and never compiles one.
+
 `AsyncLLMEngine.build` constructs the engine on that thread too, so that one thread does
 all the torch work: libgomp keeps a team of worker threads for every thread that ever ran
 a parallel region, and once the teams outnumber the cores their workers stop spinning
@@ -27,6 +32,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pagedllm.engine.llm_engine import LLMEngine
@@ -37,6 +43,9 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 T = TypeVar("T")
+# Requests waiting for their grammar at once; more queue for a thread. The compiles
+# themselves are capped lower, by the compiler (structured/compile_pool.py).
+GRAMMAR_WAITERS = 8
 
 
 class RequestStream:
@@ -107,6 +116,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._paused = False
+        self._grammar_threads: ThreadPoolExecutor | None = None  # started at first use
         self.snapshot: EngineSnapshot = engine.snapshot()
 
     @classmethod
@@ -159,6 +169,9 @@ class AsyncLLMEngine:
         if thread is not None:
             thread.join(timeout)
         self._thread = None
+        if self._grammar_threads is not None:
+            self._grammar_threads.shutdown(wait=False, cancel_futures=True)
+            self._grammar_threads = None
 
     def pause(self) -> None:
         """Stop stepping: requests are still added and aborted, but make no progress."""
@@ -201,16 +214,26 @@ class AsyncLLMEngine:
         self,
         requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]],
         arrival_time: float | None = None,
+        grammar_param: str | None = None,
     ) -> RequestStream:
         """Queue (request id, prompt, params) requests together, all or none, and return
         one stream of their outputs. Raises InvalidParameterError (a bad or oversized
-        request) or EngineOverloadedError (the backlog is at `max_waiting`, or these
-        requests would take it past).
+        request; a grammar that cannot be compiled names `grammar_param`, default
+        `structured_outputs.<kind>`) or EngineOverloadedError (the backlog is at
+        `max_waiting`, or these requests would take it past; or the grammar compiler has
+        no room).
 
         Pass token ids to keep tokenization off the engine thread: a text prompt is
-        tokenized on it, and every running request waits meanwhile."""
+        tokenized on it, and every running request waits meanwhile. Grammars are
+        compiled first, off it (`_grammars`), after the checks that cost next to nothing
+        (token ids, context, `n`, KV fit): a request that could never run is refused
+        before its grammar compiles."""
         if not requests:
             raise ValueError("add_requests needs at least one request")
+        for _, prompt, params in requests:
+            if not isinstance(prompt, str):  # text is checked once tokenized, at add
+                self.engine.check_request(prompt, params)
+        grammars = await self._grammars([params for _, _, params in requests], grammar_param)
         stream = RequestStream(self, [request_id for request_id, _, _ in requests])
 
         def add() -> None:
@@ -222,8 +245,8 @@ class AsyncLLMEngine:
                 )
             added: list[str] = []
             try:
-                for request_id, prompt, params in requests:
-                    self.engine.add_request(request_id, prompt, params, arrival_time)
+                for (request_id, prompt, params), grammar in zip(requests, grammars, strict=True):
+                    self.engine.add_request(request_id, prompt, params, arrival_time, grammar)
                     added.append(request_id)
                 # Every request of a group counts: queued, they must leave the backlog
                 # within the limit, or none of them stays.
@@ -246,6 +269,27 @@ class AsyncLLMEngine:
             stream.abort()  # they may have been added after all
             raise
         return stream
+
+    async def _grammars(self, params: Sequence[SamplingParams], param: str | None) -> list[Any]:
+        """Each request's compiled grammar (None without structured output), compiled on
+        a grammar thread, once for requests that share their params (a batch's prompts).
+        InvalidParameterError naming `param` if one cannot be compiled,
+        EngineOverloadedError if the compiler has no room."""
+        compiled: dict[int, Any] = {}  # id(spec) -> its grammar
+        for p in params:
+            spec = p.structured_outputs if isinstance(p, SamplingParams) else None
+            if spec is not None and id(spec) not in compiled:
+                if self._grammar_threads is None:
+                    self._grammar_threads = ThreadPoolExecutor(
+                        max_workers=GRAMMAR_WAITERS, thread_name_prefix="pagedllm-grammar-wait"
+                    )
+                compiled[id(spec)] = await asyncio.get_running_loop().run_in_executor(
+                    self._grammar_threads, self.engine.compile_grammar, spec, param
+                )
+        return [
+            compiled.get(id(p.structured_outputs)) if isinstance(p, SamplingParams) else None
+            for p in params
+        ]
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""

@@ -2,7 +2,8 @@
 
 It holds the grammar compiler (pagedllm/structured/grammar.py, built at the first request
 that asks for structured output: xgrammar loads torch, which an engine over a fake runner
-never needs) and the matcher of every sequence that follows a grammar, by sequence id.
+never needs, and the compiler starts its worker processes) and the matcher of every
+sequence that follows a grammar, by sequence id.
 A matcher advances with each token the engine accepts, so it survives preemption by
 recompute (the accepted tokens stay) and is forked with a parallel sample. A token the
 grammar rejects raises GrammarError: the engine fails that request alone.
@@ -23,10 +24,14 @@ if TYPE_CHECKING:
 
 
 class Grammars:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Set[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: Set[int], cache_bytes: int
+    ) -> None:
+        """`cache_bytes`: the most the compiled grammars kept for reuse may take."""
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
+        self._cache_bytes = cache_bytes
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()  # the compiler is built once, by whichever thread
         self._states: dict[int, GrammarState] = {}  # sequence id -> its matcher
@@ -43,7 +48,10 @@ class Grammars:
                 from pagedllm.structured.grammar import GrammarCompiler
 
                 self._compiler = GrammarCompiler(
-                    self._tokenizer, self._vocab_size, self._eos_token_ids
+                    self._tokenizer,
+                    self._vocab_size,
+                    self._eos_token_ids,
+                    cache_bytes=self._cache_bytes,
                 )
             return self._compiler
 
@@ -52,10 +60,15 @@ class Grammars:
         `structured_outputs.<kind>`)."""
         return self.compiler.compile(spec, param)
 
-    def start(self, spec: StructuredOutputs) -> GrammarState:
-        """A matcher at the start of `spec`'s grammar (compiled now unless cached)."""
-        compiler = self.compiler
-        return compiler.matcher(compiler.compile(spec))
+    def start(self, compiled: Any) -> GrammarState:
+        """A matcher at the start of a grammar from `compile`."""
+        return self.compiler.matcher(compiled)
+
+    def close(self) -> None:
+        """Stop the compiler's worker processes, if it was built."""
+        with self._lock:
+            if self._compiler is not None:
+                self._compiler.close()
 
     def add(self, seq_id: int, state: GrammarState) -> None:
         self._states[seq_id] = state

@@ -6,12 +6,12 @@ and fork sequences, and hand back a RequestOutput for every request that gained 
 The engine itself holds no tensors: the runner does (worker/runner.py), so the same
 `step()` drives the real model, a fake one for bookkeeping runs, or a split one.
 
-Structured output: a request whose SamplingParams carry `structured_outputs` gets its
-grammar compiled (or found cached: the server compiles off this thread first, through
-`compile_grammar`) at add_request, and each of its sequences a matcher, kept here (plain
-bookkeeping, engine/grammars.py) and handed to the sampler with the sequence's row. The
-matcher advances with each accepted token; when it accepts the grammar's end the
-sequence stops ("stop").
+Structured output: a request whose SamplingParams carry `structured_outputs` comes with
+its compiled grammar (the async engine compiles it off this thread, through
+`compile_grammar`; offline, add_request compiles it), and each of its sequences gets a
+matcher, kept here (plain bookkeeping, engine/grammars.py) and handed to the sampler with
+the sequence's row. The matcher advances with each accepted token; when it accepts the
+grammar's end the sequence stops ("stop").
 
 A request's failure is its own: per-row work (sampling, grammar masks, detokenising, stop
 checks, beam bookkeeping) that raises fails only its request, and a failed forward pass
@@ -134,7 +134,9 @@ class LLMEngine:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, max_len)
         self._beams: dict[str, BeamState] = {}  # request id -> its beam search
-        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = Grammars(
+            tokenizer, self.vocab_size, self.eos_token_ids, int(config.grammar_cache_mb * 2**20)
+        )
         self.rows = RowBuilder(self.scheduler, self._beams, self.grammars, self.eos_token_ids)
         self.num_steps = 0  # steps that ran something
         self.listeners = Listeners(self.kv)
@@ -169,12 +171,51 @@ class LLMEngine:
         prompt: str | Seq[int],
         params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
+        grammar: Any = None,
     ) -> None:
         """Queue a request; InvalidParameterError if it is malformed or could never fit.
 
-        With BeamSearchParams the request runs a beam search in the engine.
+        With BeamSearchParams the request runs a beam search in the engine. `grammar`: the
+        compiled grammar of the params' structured output, from `compile_grammar` (the
+        async engine compiles it off this thread); compiled here if not given.
         """
         params = params or SamplingParams()
+        prompt_ids, num_seqs, reserve = self._checked(prompt, params)
+        spec = params.structured_outputs if isinstance(params, SamplingParams) else None
+        if spec is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self.grammars.compile(spec)
+        seq = self.scheduler.new_seq(prompt_ids)
+        if grammar is not None:
+            self.grammars.add(seq.seq_id, self.grammars.start(grammar))
+        request = Request(
+            request_id=request_id,
+            seqs=[seq],
+            num_seq_slots=num_seqs,
+            reserve_tokens=reserve,
+            params=params,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        self.scheduler.add_request(request)
+        if isinstance(params, BeamSearchParams):
+            self._beams[request_id] = BeamState(params, frozenset(self.eos_token_ids))
+
+    def check_request(
+        self, prompt: Seq[int], params: SamplingParams | BeamSearchParams | None = None
+    ) -> None:
+        """InvalidParameterError if add_request would refuse this request for its token
+        ids, sequence count, context or KV-pool fit: checks that cost next to nothing, for
+        the server to make before it compiles a grammar. Safe from any thread (it reads
+        only what the engine's configuration fixes)."""
+        self._checked(prompt, params or SamplingParams())
+
+    def _checked(
+        self, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams
+    ) -> tuple[list[int], int, int]:
+        """(prompt token ids, sequences, tokens reserved up front) of a request that could
+        run; InvalidParameterError otherwise."""
         is_beam = isinstance(params, BeamSearchParams)
         if isinstance(prompt, str):
             prompt_ids = encode_text(self.tokenizer, prompt)
@@ -208,24 +249,7 @@ class LLMEngine:
             self.config.kv_reservation, len(prompt_ids), max_new, self.max_model_len
         )
         self.scheduler.check_fits(len(prompt_ids), max_new, num_seqs, reserve, seqs_param)
-        grammar = None
-        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
-            grammar = self.grammars.start(params.structured_outputs)
-        seq = self.scheduler.new_seq(prompt_ids)
-        if grammar is not None:
-            self.grammars.add(seq.seq_id, grammar)
-        request = Request(
-            request_id=request_id,
-            seqs=[seq],
-            num_seq_slots=num_seqs,
-            reserve_tokens=reserve,
-            params=params,
-            arrival_time=time.time() if arrival_time is None else arrival_time,
-            prompt=prompt if isinstance(prompt, str) else None,
-        )
-        self.scheduler.add_request(request)
-        if is_beam:
-            self._beams[request_id] = BeamState(params, frozenset(self.eos_token_ids))
+        return prompt_ids, num_seqs, reserve
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; every block it held returns to the pool."""
@@ -240,12 +264,11 @@ class LLMEngine:
         self.listeners.abort(request_id)
         return True
 
-    def compile_grammar(self, spec: StructuredOutputs, param: str | None = None) -> None:
-        """Compile `spec` into the engine's grammar cache, so that add_request finds it;
-        InvalidParameterError names `param` (default `structured_outputs.<kind>`) if it
-        cannot be compiled. Safe from any thread: the server calls it on its tokenizer
-        thread, off the engine's."""
-        self.grammars.compile(spec, param)
+    def compile_grammar(self, spec: StructuredOutputs, param: str | None = None) -> Any:
+        """The compiled grammar of `spec`, for add_request; InvalidParameterError naming
+        `param` (default `structured_outputs.<kind>`) if it cannot be compiled. Safe from
+        any thread: the async engine calls it off the engine's."""
+        return self.grammars.compile(spec, param)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -296,6 +319,7 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        self.grammars.close()
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None

@@ -93,6 +93,11 @@ OPTIONS = (
     _Option("watermark", "fraction of blocks kept free when admitting requests", float),
     _Option("seed", "seed of the sampling of unseeded requests", int, flag="--engine-seed"),
     _Option(
+        "grammar_cache_mb",
+        "MiB the compiled grammars kept for reuse may take (structured output; 0: none kept)",
+        float,
+    ),
+    _Option(
         "kv_events_endpoint",
         "publish prefix-cache events (vLLM's KV events, msgpack over ZeroMQ PUB; they carry "
         "every prompt's token ids) on this endpoint, which routers subscribe to: "

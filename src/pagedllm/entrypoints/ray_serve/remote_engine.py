@@ -6,8 +6,9 @@ request group through the handle (the router picks the replica from the prompt's
 ids), waits until the replica has queued it (so that a 400 or a 503 comes before any
 output, as in one process), and returns a RemoteStream with the RequestStream's
 interface. `engine` stands for the LLMEngine the server reads: the tokenizer (loaded
-here, for templating and tokenizing off the replicas), the config, the context limit and
-grammar compilation (checked here; each replica compiles its own copy). `snapshot` adds
+here, for templating and tokenizing off the replicas), the config and the context limit.
+Each replica checks a request and compiles its grammar (off its engine thread) as it
+queues it. `snapshot` adds
 up the replicas' latest snapshots (sent with each finished request) for /metrics.
 
 A replica that dies (its process killed, its node lost): the requests it was running end
@@ -28,12 +29,11 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.grammars import Grammars
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.errors import EngineOverloadedError, RequestFailedError
 from pagedllm.kv.manager import KVUsage
-from pagedllm.sampling_params import SamplingParams, StructuredOutputs
+from pagedllm.sampling_params import SamplingParams
 
 SEND_ATTEMPTS = 3  # replicas a request may find dead before it is refused
 RESEND_DELAY_S = 0.2  # for Ray Serve to learn of the dead replica
@@ -48,10 +48,6 @@ class EngineView:
         self.tokenizer = tokenizer
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
-        self.grammars = Grammars(tokenizer, self.vocab_size, set(info["eos_token_ids"]))
-
-    def compile_grammar(self, spec: StructuredOutputs, param: str | None = None) -> None:
-        self.grammars.compile(spec, param)
 
 
 class RemoteEngine:
@@ -78,13 +74,16 @@ class RemoteEngine:
         self,
         requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]],
         arrival_time: float | None = None,
+        grammar_param: str | None = None,
     ) -> RemoteStream:
         """Queue the requests together on one replica, all or none; raises what the
         replica's add_requests raised (InvalidParameterError, EngineOverloadedError)."""
         if not requests:
             raise ValueError("add_requests needs at least one request")
         for attempt in range(SEND_ATTEMPTS):
-            calls = self.handle.options(stream=True).generate.remote(list(requests), arrival_time)
+            calls = self.handle.options(stream=True).generate.remote(
+                list(requests), arrival_time, grammar_param
+            )
             try:
                 await calls.__anext__()  # queued on the replica
             except asyncio.CancelledError:

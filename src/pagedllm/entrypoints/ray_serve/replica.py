@@ -38,14 +38,16 @@ class EngineReplica:
         return {
             "max_model_len": llm.max_model_len,
             "vocab_size": llm.vocab_size,
-            "eos_token_ids": sorted(llm.eos_token_ids),
             "block_size": self.config.block_size,
         }
 
     async def generate(
-        self, requests: Requests, arrival_time: float | None = None
+        self,
+        requests: Requests,
+        arrival_time: float | None = None,
+        grammar_param: str | None = None,
     ) -> AsyncIterator[tuple[RequestOutput, str, EngineSnapshot | None] | None]:
-        stream = await self.engine.add_requests(list(requests), arrival_time)
+        stream = await self.engine.add_requests(list(requests), arrival_time, grammar_param)
         async with stream:  # leaving early (cancelled by the ingress) aborts them all
             yield None
             async for out in stream:

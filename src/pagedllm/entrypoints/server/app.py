@@ -7,7 +7,8 @@ key too; see kv_routes.py), and, only with `enable_docs`, /docs, /redoc and /ope
 (behind the key too). Request bodies are read by hand, so the checks run in
 a fixed order: API key (401), size (413), arrival within `body_timeout` (408), JSON (400),
 fields (400), model name (404), unsupported fields and sampling values (400), prompt text
-(400), backlog (503), context and KV-pool fit (400). Bad client input is never a 500.
+(400), context and KV-pool fit (400), grammar (400; 503 while the compilers are busy),
+backlog (503). Bad client input is never a 500.
 
 The pieces live beside it: the key check in auth.py, body reading and JSON parsing in
 body.py, the routers in routes.py and kv_routes.py, request ids and the headers every

@@ -12,12 +12,12 @@ InvalidParameterError naming the exact field (e.g.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from pagedllm.bounded_json import JSONTooDeepError, loads
 from pagedllm.errors import UNSUPPORTED, InvalidParameterError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -87,7 +87,7 @@ class ChatMessage(BaseModel):
                     "type": "function",
                     "function": {
                         "name": call["function"]["name"],
-                        "arguments": json.loads(call["function"]["arguments"]),
+                        "arguments": loads(call["function"]["arguments"]),
                     },
                 }
                 for call in self.tool_calls
@@ -129,7 +129,11 @@ def _calls(calls: Any, where: str) -> None:
             )
         args = fn.get("arguments")
         try:
-            value = json.loads(args) if isinstance(args, str) else None
+            value = loads(args) if isinstance(args, str) else None
+        except JSONTooDeepError as exc:
+            raise InvalidParameterError(
+                f"{at}.function.arguments", f"{at}.function.arguments {exc}"
+            ) from None
         except ValueError:
             value = None
         if not isinstance(value, dict):

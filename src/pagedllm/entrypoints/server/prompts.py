@@ -1,5 +1,4 @@
-"""Prompt token ids for server requests, computed on a tokenizer thread, and the grammars
-of structured output compiled off the engine's and the tokenizer's threads.
+"""Prompt token ids for server requests, computed on a tokenizer thread.
 
 Tokenizing a long prompt or applying a chat template takes a while (a 1 MB prompt, most
 of a second). On the engine thread it would stall every running stream; on the event
@@ -19,16 +18,12 @@ from typing import Any, TypeVar
 from pagedllm.engine.prompts import encode_chat, encode_text
 
 T = TypeVar("T")
-# Requests waiting for a grammar at once; more queue here. The compiles themselves are
-# capped lower, by the compiler.
-GRAMMAR_WAITERS = 8
 
 
 class PromptEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._pool: ThreadPoolExecutor | None = None  # started at first use, again after close
-        self._grammar_pool: ThreadPoolExecutor | None = None
 
     async def _run(self, fn: Callable[[], T]) -> T:
         if self._pool is None:
@@ -56,20 +51,7 @@ class PromptEncoder:
             lambda: encode_chat(tokenizer, conversation, add_generation_prompt, tools=tools)
         )
 
-    async def compile_grammar(self, compile: Callable[[], None]) -> None:
-        """Run `compile` (the engine's grammar compile, which fills its cache) on a
-        grammar thread: a grammar takes milliseconds to seconds to compile, which neither
-        the engine thread nor the tokenizer thread must spend (a slow schema would hold up
-        every other request's prompt). The compiler bounds how many compiles run at once
-        and how long each is waited for (structured/grammar.py); these threads only wait."""
-        if self._grammar_pool is None:
-            self._grammar_pool = ThreadPoolExecutor(
-                max_workers=GRAMMAR_WAITERS, thread_name_prefix="pagedllm-grammar-wait"
-            )
-        await asyncio.get_running_loop().run_in_executor(self._grammar_pool, compile)
-
     def close(self) -> None:
-        for pool in (self._pool, self._grammar_pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = self._grammar_pool = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None

@@ -5,8 +5,9 @@ body, or Server-Sent Events with `stream: true`). A completion's `prompt` may be
 vLLM, and usage is summed.
 
 Both endpoints share one flow (`Serving._start`, then `Serving._respond`): check the
-request, build its SamplingParams, encode its prompts, queue them, then stream or collect
-and count usage. Each endpoint says only what differs: how its prompts are encoded and
+request, build its SamplingParams, encode its prompts, queue them (the async engine checks
+that each could run, then compiles a grammar off its thread), then stream or collect and
+count usage. Each endpoint says only what differs: how its prompts are encoded and
 the shape of its choices. Engine request ids are `cmpl-`/`chatcmpl-` + the request id
 (the client's X-Request-Id, or one made for it) + a running number, so that two clients
 that send the same X-Request-Id still get separate engine requests.
@@ -41,14 +42,13 @@ from pagedllm.entrypoints.server.streaming import (
     DeltaTracker,
     Generation,
     collect,
-    overloaded,
     sse_response,
     submit,
     usage_of,
 )
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS, ToolParser
 from pagedllm.entrypoints.server.tool_stream import ToolCallStream
-from pagedllm.errors import EngineOverloadedError, InvalidParameterError
+from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -133,15 +133,10 @@ class Serving:
             params = req.sampling_params()
             prompts = await encode()
             structured = req.structured()
-            if structured is not None:  # compiled here, so that the engine finds it cached
-                engine = self.engine.engine
-                try:
-                    await self.encoder.compile_grammar(
-                        lambda: engine.compile_grammar(structured.spec, structured.field)
-                    )
-                except EngineOverloadedError as exc:  # other grammars hold every slot
-                    raise overloaded(exc) from None
-            gen = await submit(self.engine, self.metrics, rid, prompts, params, arrival, client_id)
+            field = structured.field if structured is not None else None
+            gen = await submit(
+                self.engine, self.metrics, rid, prompts, params, arrival, client_id, field
+            )
         logger.info(
             "request %s: %s, engine request %s, %d prompt(s)",
             client_id,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,14 +64,17 @@ async def submit(
     params: SamplingParams,
     arrival: float,
     client_id: str = "-",
+    grammar_param: str | None = None,
 ) -> Generation:
     """Queue one engine request per prompt, all or none, for the HTTP request the logs
-    call `client_id`. InvalidParameterError (a bad request) passes through for the caller
-    to map to its fields."""
+    call `client_id`. InvalidParameterError (a bad request; a grammar that cannot be
+    compiled names `grammar_param`, the request's field) passes through for the caller to
+    map to its fields."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
         stream = await engine.add_requests(
-            [(rid, prompt, params) for rid, prompt in zip(ids, prompts, strict=True)]
+            [(rid, prompt, params) for rid, prompt in zip(ids, prompts, strict=True)],
+            grammar_param=grammar_param,
         )
     except EngineOverloadedError as exc:
         raise overloaded(exc) from None
@@ -83,10 +87,10 @@ async def submit(
 
 
 def overloaded(exc: EngineOverloadedError) -> APIError:
-    """The 503 (with Retry-After) of a request the server has no room for now."""
-    return APIError(
-        503, str(exc), code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
-    )
+    """The 503 of a request the server has no room for now, with Retry-After: the wait
+    the error knows (whole seconds, at least 1), else RETRY_AFTER_S."""
+    wait = RETRY_AFTER_S if exc.retry_after_s is None else max(1, math.ceil(exc.retry_after_s))
+    return APIError(503, str(exc), code="server_overloaded", headers={"Retry-After": str(wait)})
 
 
 def failure(gen: Generation, exc: RequestFailedError) -> APIError:

@@ -11,7 +11,8 @@ models write).
 A parser sees a choice's text in pieces (`feed`, then `finish`) and returns `Piece`s in
 order: plain text, or a complete call. Text outside the calls stays content. A call block
 whose JSON does not parse, is not `{"name": str, "arguments": object}`, or names a
-function the request did not offer stays text, as does a block the output never closed:
+function the request did not offer stays text, as does a block the output never closed
+or JSON nested deeper than bounded_json allows:
 the client sees what the model wrote rather than an error. The whole-response path runs
 the same parser over the whole text, so a stream and a whole answer agree.
 """
@@ -23,6 +24,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.bounded_json import loads
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,8 @@ class HermesToolParser(ToolParser):
         """The block's calls: one object, or a list of them; none
         unless every one is a call of an offered function."""
         try:
-            value = json.loads(body)
-        except ValueError:
+            value = loads(body)
+        except ValueError:  # not JSON, or nested too deep to be a call
             return []
         values = value if isinstance(value, list) else [value]
         calls = [self._call(v) for v in values]
@@ -123,7 +126,7 @@ class HermesToolParser(ToolParser):
         args: Any = value.get("arguments", value.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = json.loads(args)
+                args = loads(args)
             except ValueError:
                 return None
         if not isinstance(args, dict):

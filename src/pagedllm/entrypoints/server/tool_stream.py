@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.bounded_json import loads
 from pagedllm.entrypoints.server.tool_parsers import ParsedCall, ToolParser
 from pagedllm.entrypoints.server.tools import ToolUse
 
@@ -120,8 +121,8 @@ def _opening(index: int, name: str, arguments: str) -> Delta:
 
 def _required_call(text: str, functions: Collection[str]) -> ParsedCall | None:
     try:
-        value = json.loads(text)
-    except ValueError:  # not reached under the grammar; kept for an unconstrained engine
+        value = loads(text)
+    except ValueError:  # not JSON (an unconstrained engine), or nested too deep to be a call
         return None
     name = value.get("name") if isinstance(value, dict) else None
     if name not in functions or not isinstance(value.get("parameters"), dict):

@@ -28,6 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pagedllm.bounded_json import JSONTooDeepError, check_depth
 from pagedllm.entrypoints.server.structured import check_enforced
 from pagedllm.errors import InvalidParameterError
 
@@ -121,6 +122,12 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
             raise InvalidParameterError(
                 f"{where}.function.strict", f"{where}.function.strict must be true or false"
             )
+        try:  # the chat template writes it out, and a grammar may be built from it
+            check_depth(params)
+        except JSONTooDeepError as exc:
+            raise InvalidParameterError(
+                f"{where}.function.parameters", f"{where}.function.parameters {exc}"
+            ) from None
         functions[name] = params
     return functions
 
