@@ -48,7 +48,8 @@ def test_deep_json_anywhere_in_a_request_is_a_400_naming_its_field(server: LiveS
         {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
     ]
     deep_schema = nested_arrays_schema(500)  # within what the body parser reads
-    tool = {"type": "function", "function": {"name": "f", "parameters": deep_schema}}
+    deep_parameters = {"type": "object", "properties": {"x": deep_schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep_parameters}}
     rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": deep_schema}}
     cases = [
         (cmpl, {"guided_json": deep_text}, "guided_json"),

@@ -23,10 +23,11 @@ import xgrammar as xgr
 READY = "ready"
 # The library's messages open with "[time] /path/file.cc:line: ": the client needs the rest.
 _LOCATION = re.compile(r"^\s*\[[0-9:.]+\]\s*\S+:\d+:\s*")
-# xgrammar's expression kinds (GrammarExprType in its grammar_impl.h), in the layout of its
-# serialization version below: each expression is [kind, length, *items].
+# xgrammar's expression kinds (GrammarExprType in its grammar_impl.h) that refer to others,
+# in the layout of its serialization version below: each expression is [kind, length,
+# *items]. The rest (text, character classes, the empty string, tag dispatch) end.
 _LAYOUT = "v18"
-BYTES, CHARS, CHARS_STAR, EMPTY, RULE_REF, SEQUENCE, CHOICES, TAG_DISPATCH, REPEAT = range(9)
+RULE_REF, SEQUENCE, CHOICES, REPEAT = 4, 5, 6, 8  # REPEAT's items: rule, least, most
 
 
 class NoFiniteSentenceError(ValueError):
