@@ -36,14 +36,16 @@ def compiler_for(tokenizer: Any, **options: Any) -> GrammarCompiler:
 
 
 def words(n: int, seed: int) -> list[str]:
-    """`n` distinct random words: a choice among 30,000 takes seconds to compile on this
-    vocabulary (far past the bounds used here), one among 300 a fraction of a second."""
+    """`n` distinct random words: a choice among 100,000 takes some 15 s to compile on
+    this vocabulary (a 50,000-word choice took 7-9 s; about 5x the longest bound used
+    here, so a faster machine still cannot finish one in time), one among 300 a fraction
+    of a second."""
     rng = random.Random(seed)
     return list({"".join(rng.choices(string.ascii_lowercase, k=12)) for _ in range(n)})
 
 
 def slow(seed: int) -> StructuredOutputs:
-    return StructuredOutputs(choice=words(30_000, seed))
+    return StructuredOutputs(choice=words(100_000, seed))
 
 
 def test_a_compile_past_its_bound_is_killed_and_frees_its_place(tokenizer: Any) -> None:
@@ -98,7 +100,7 @@ def test_a_caller_with_no_worker_free_is_told_the_real_wait(tokenizer: Any) -> N
 
 def test_a_changed_description_does_not_get_past_a_refusal(tokenizer: Any) -> None:
     compiler = compiler_for(tokenizer, timeout_s=0.5)
-    enum = words(30_000, 7)
+    enum = words(100_000, 7)
 
     def schema(note: str) -> dict[str, Any]:
         return {
