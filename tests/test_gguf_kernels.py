@@ -27,7 +27,12 @@ from gguf.quants import dequantize, quantize
 
 from ggml_blocks import random_blocks
 from pagedllm.kernels.cpu import load_cpu_ops, missing_cpu_features
-from pagedllm.kernels.gguf_blocks import block_geometry, gguf_linear, quantize_activations
+from pagedllm.kernels.gguf_blocks import (
+    KERNEL_TYPES,
+    block_geometry,
+    gguf_linear,
+    quantize_activations,
+)
 
 pytestmark = pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels here")
 
@@ -222,7 +227,7 @@ def test_layer_equals_dequantized_product(
 
 
 def exact_scales(ggml_type: T, raw: np.ndarray) -> np.ndarray:
-    """The blocks with every fp16 scale a power of two (and Q4_1's min minus one)."""
+    """The blocks with every fp16 scale and min a power of two."""
     _, size = block_geometry(ggml_type)
     b = raw.reshape(-1, size).copy()
     fields = {
@@ -322,3 +327,25 @@ def test_refuses_what_it_cannot_compute(
     w = torch.zeros(weight_bytes, dtype=torch.uint8)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         gguf_linear(x, w, ggml_type, out)
+
+
+def test_refuses_bad_inputs_and_kernels() -> None:
+    w = torch.zeros(1, 34, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="x must be a float32"):
+        gguf_linear(torch.zeros(1, 32, dtype=torch.float64), w, T.Q8_0, 1)
+    with pytest.raises(ValueError, match="the weight must be a contiguous uint8"):
+        gguf_linear(torch.zeros(1, 32), w.to(torch.int8), T.Q8_0, 1)
+    with pytest.raises(ValueError, match="kernel must be 'auto', 'avx2' or 'vnni', not 'sse'"):
+        gguf_linear(torch.zeros(1, 32), w, T.Q8_0, 1, "sse")
+
+
+def test_kernel_types_are_what_the_op_takes() -> None:
+    """KERNEL_TYPES lists exactly the types the op computes on."""
+    for ggml_type in T:
+        values, size = block_geometry(ggml_type)
+        x, w = torch.zeros(1, 256 * values), torch.zeros(256 * size, dtype=torch.uint8)
+        if ggml_type in KERNEL_TYPES:
+            assert gguf_linear(x, w, ggml_type, 1).tolist() == [[0.0]]
+        else:
+            with pytest.raises(ValueError, match=f"GGML type {int(ggml_type)} has no kernel"):
+                gguf_linear(x, w, ggml_type, 1)

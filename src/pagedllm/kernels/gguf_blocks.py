@@ -32,16 +32,6 @@ def block_geometry(ggml_type: GGMLQuantizationType) -> tuple[int, int]:
     return GGML_QUANT_SIZES[ggml_type]
 
 
-def row_bytes(ggml_type: GGMLQuantizationType, in_features: int) -> int:
-    """The bytes one weight row of `in_features` values takes (a whole number of blocks)."""
-    values, size = block_geometry(ggml_type)
-    if in_features % values:
-        raise ValueError(
-            f"{in_features} values are not a whole number of {ggml_type.name} blocks of {values}"
-        )
-    return in_features // values * size
-
-
 def gguf_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
