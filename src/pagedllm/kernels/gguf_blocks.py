@@ -32,6 +32,12 @@ def block_geometry(ggml_type: GGMLQuantizationType) -> tuple[int, int]:
     return GGML_QUANT_SIZES[ggml_type]
 
 
+def kernel_build(kernel: str = "auto") -> str:
+    """The build `kernel` names on this machine: "avx2" or "vnni" ("auto": AVX-512 VNNI
+    where the CPU has it and PAGEDLLM_NO_VNNI is unset)."""
+    return load_cpu_ops().gguf_kernel(kernel)
+
+
 def gguf_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -40,8 +46,7 @@ def gguf_linear(
     kernel: str = "auto",
 ) -> torch.Tensor:
     """x (fp32 [rows, in]) @ W^T for W [out_features, in] stored as `weight`, its raw
-    `ggml_type` blocks (uint8). `kernel`: "auto" (AVX-512 VNNI where the CPU has it and
-    PAGEDLLM_NO_VNNI is unset), "avx2" or "vnni"."""
+    `ggml_type` blocks (uint8). `kernel`: "auto", "avx2" or "vnni" (see kernel_build)."""
     return load_cpu_ops().gguf_linear(x, weight, int(ggml_type), out_features, kernel)
 
 

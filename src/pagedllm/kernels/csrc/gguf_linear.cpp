@@ -103,12 +103,20 @@ const GgufType& gguf_type(int64_t id) {
                     "Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
-const BlockKernels& kernels_for(const GgufType& type, const std::string& kernel) {
+}  // namespace
+
+// The build a `kernel` name runs: "avx2" or "vnni" ("auto": VNNI where cpu_features.h says).
+std::string gguf_kernel(const std::string& kernel) {
   TORCH_CHECK_VALUE(kernel == "auto" || kernel == "avx2" || kernel == "vnni",
                     "kernel must be 'auto', 'avx2' or 'vnni', not '", kernel, "'");
   TORCH_CHECK_VALUE(kernel != "vnni" || cpu_has_vnni(), "this CPU has no AVX-512 VNNI");
-  const bool vnni = kernel == "vnni" || (kernel == "auto" && has_vnni());
-  return vnni ? type.vnni : type.avx2;
+  return kernel == "vnni" || (kernel == "auto" && has_vnni()) ? "vnni" : "avx2";
+}
+
+namespace {
+
+const BlockKernels& kernels_for(const GgufType& type, const std::string& kernel) {
+  return gguf_kernel(kernel) == "vnni" ? type.vnni : type.avx2;
 }
 
 // The checked input width: a whole number of the type's blocks.
@@ -203,6 +211,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "gguf_linear(Tensor x, Tensor weight, int ggml_type, int out_features, "
       "str kernel='auto') -> Tensor");
   m.def("gguf_quantize_activations(Tensor x, int ggml_type, str kernel='auto') -> Tensor");
+  m.def("gguf_kernel(str kernel='auto') -> str", &pagedllm::gguf_kernel);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
