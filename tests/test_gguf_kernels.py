@@ -1,16 +1,18 @@
 """The GGUF block kernels (kernels/gguf_blocks.py, csrc/gguf_linear.cpp) against references
 written here, for every type, on the AVX2 and (where the CPU has it) the AVX-512 VNNI build.
 
-The references follow ggml's definitions, not its code: activations are quantized per block
-as ggml's x86 build does (Q8_0/Q8_1: x * (127 / max|x|) rounded half to even, d = fp16(max|x|
-/ 127); Q8_K: quantize_row_q8_K_ref, x * (-127 / the value of largest magnitude) rounded
-half to even, capped at 127, d = 1 / that factor in fp32); the weight blocks are decoded here
-into integer quants with per-sub-block scale and offset (w = scale * q + offset), and a
-product is the integer sums per sub-block times the scales. Checked: the activation blocks
-bit for bit; the integer parts bit for bit (scales that are powers of two make every float
-step exact, so the output must equal the reference exactly); and with ordinary scales, the
-output against the same sums and against gguf-py's dequantized weights times the dequantized
-activations, in float64, within 1e-5 of the sum of the products' magnitudes (fp32 rounding).
+The references follow ggml's definitions, not its code. Activations are quantized per block
+as ggml's x86 build does: Q8_0/Q8_1 x * (127 / max|x|) rounded half to even, d = fp16(max|x|
+/ 127) (ggml's scalar quantize_row_q8_0_ref multiplies by 1 / d and rounds half away from
+zero instead), our Q8_1 keeping the integer sum of its quants; Q8_K as quantize_row_q8_K_ref,
+x * (-127 / the value of largest magnitude) rounded half to even, capped at 127, d = 1 / that
+factor in fp32. The weight blocks are decoded here into integer quants with per-sub-block
+scale and offset (w = scale * q + offset), and a product is the integer sums per sub-block
+times the scales. Checked: the activation blocks bit for bit; the integer parts bit for bit
+(scales that are powers of two make every float step exact, so the output must equal the
+reference exactly); and with ordinary scales, the output against the same sums and against
+gguf-py's dequantized weights times the dequantized activations, in float64, within 1e-5 of
+the sum of the products' magnitudes (fp32 rounding).
 """
 
 from __future__ import annotations
@@ -41,8 +43,6 @@ QUANT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 ACTIVATION = {T.Q4_0: "Q8_0", T.Q4_1: "Q8_1", T.Q5_0: "Q8_0", T.Q8_0: "Q8_0"}
 # (rows, input blocks, output features): no output count a multiple of a tile.
 SHAPES = ((1, 1, 1), (2, 3, 7), (5, 17, 13), (9, 2, 41))
-
-
 KERNELS = ("avx2", "vnni")
 
 
