@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_features.h"
 #include "int8_gemm.h"
 #include "row_dispatch.h"
 #include "vec.h"
@@ -123,19 +124,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void gemv_rows_vnni(
       ap[r * n + j] = total - 128 * wsum[j];
     }
   }
-}
-
-bool cpu_has_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return yes;
-}
-
-// PAGEDLLM_NO_VNNI=1 takes the AVX2 paths anyway (read once: the choice of a process).
-bool has_vnni() {
-  static const bool yes = cpu_has_vnni() && std::getenv("PAGEDLLM_NO_VNNI") == nullptr;
-  return yes;
 }
 
 }  // namespace
@@ -287,7 +275,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "str kernel) -> Tensor");
   m.def("int8_pack_panels(Tensor weight_q, str gemm) -> Tensor");
   // (the CPU has VNNI, the kernels use it: not forced off by PAGEDLLM_NO_VNNI)
-  m.def("int8_has_vnni() -> (bool, bool)", [] { return std::make_tuple(cpu_has_vnni(), has_vnni()); });
+  m.def("int8_has_vnni() -> (bool, bool)", [] { return std::make_tuple(pagedllm::cpu_has_vnni(), pagedllm::has_vnni()); });
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {

@@ -1,0 +1,220 @@
+// A linear layer computed on GGUF weights as the file stores them: y = x @ W^T with W a
+// [out, in] tensor of ggml blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; F16, BF16).
+//
+// As llama.cpp does: each input row is quantized once into 8-bit blocks of the kind the
+// weight type multiplies with (Q8_0, Q8_1 or Q8_K; ggml's "vec_dot_type"), then every weight
+// row is multiplied with every input row block by block, the int8 products summed exactly
+// in integers and each block's scales applied in fp32 (ggml's kernels, ggml_x86_quants.h).
+// The output features are split across torch's threads, so a decode step reads each weight
+// once. F16 and BF16 weights are converted to fp32 eight at a time and multiply the fp32
+// inputs directly. The kernels exist twice, for AVX2 and for AVX-512 VNNI (the same source
+// under another target); "auto" takes VNNI where cpu_features.h says so.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cpu_features.h"
+#include "ggml_blocks.h"
+#include "vec.h"
+
+namespace pagedllm::gguf_avx2 {
+#include "ggml_x86_quants.h"
+}  // namespace pagedllm::gguf_avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+#define PAGEDLLM_GGML_VNNI
+namespace pagedllm::gguf_vnni {
+#include "ggml_x86_quants.h"
+}  // namespace pagedllm::gguf_vnni
+#undef PAGEDLLM_GGML_VNNI
+#pragma GCC pop_options
+
+namespace pagedllm {
+namespace {
+
+using QuantizeRow = void (*)(const float* x, void* blocks, int64_t k);
+using BlockDot = float (*)(int n, const void* weight_row, const void* activation_row);
+
+struct BlockKernels {
+  QuantizeRow quantize;  // nullptr: F16/BF16, the fp32 input is used as it is
+  BlockDot dot;
+};
+
+// One GGML type: its id in GGUF files, values and bytes per block, the bytes per block of
+// its quantized activations, and its kernels in each build.
+struct GgufType {
+  int64_t id;
+  const char* name;
+  int64_t block;
+  int64_t bytes;
+  int64_t activation_bytes;
+  BlockKernels avx2, vnni;
+};
+
+template <typename T>
+float dot_fp(int n, const void* weight_row, const void* activation_row) {
+  const T* w = static_cast<const T*>(weight_row);
+  const float* x = static_cast<const float*>(activation_row);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), acc0);
+    acc1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), acc0);
+  float sum = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) sum += static_cast<float>(w[i]) * x[i];
+  return sum;
+}
+
+#define PAGEDLLM_BLOCK_KERNELS(quantize, dot) \
+  {gguf_avx2::quantize, gguf_avx2::dot}, { gguf_vnni::quantize, gguf_vnni::dot }
+
+const GgufType kTypes[] = {
+    {1, "F16", 1, 2, 4, {nullptr, dot_fp<c10::Half>}, {nullptr, dot_fp<c10::Half>}},
+    {30, "BF16", 1, 2, 4, {nullptr, dot_fp<c10::BFloat16>}, {nullptr, dot_fp<c10::BFloat16>}},
+    {2, "Q4_0", 32, 18, 34, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0)},
+    {3, "Q4_1", 32, 20, 36, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_1, vec_dot_q4_1_q8_1)},
+    {6, "Q5_0", 32, 22, 34, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0)},
+    {8, "Q8_0", 32, 34, 34, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_0, vec_dot_q8_0_q8_0)},
+    {12, "Q4_K", 256, 144, 292, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_K, vec_dot_q4_K_q8_K)},
+    {13, "Q5_K", 256, 176, 292, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K)},
+    {14, "Q6_K", 256, 210, 292, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_K, vec_dot_q6_K_q8_K)},
+};
+#undef PAGEDLLM_BLOCK_KERNELS
+
+const GgufType& gguf_type(int64_t id) {
+  for (const GgufType& t : kTypes)
+    if (t.id == id) return t;
+  TORCH_CHECK_VALUE(false, "GGML type ", id, " has no kernel here (F16=1, BF16=30, Q4_0=2, ",
+                    "Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+}
+
+}  // namespace
+
+// The build a `kernel` name runs: "avx2" or "vnni" ("auto": VNNI where cpu_features.h says).
+std::string gguf_kernel(const std::string& kernel) {
+  TORCH_CHECK_VALUE(kernel == "auto" || kernel == "avx2" || kernel == "vnni",
+                    "kernel must be 'auto', 'avx2' or 'vnni', not '", kernel, "'");
+  TORCH_CHECK_VALUE(kernel != "vnni" || cpu_has_vnni(), "this CPU has no AVX-512 VNNI");
+  return kernel == "vnni" || (kernel == "auto" && has_vnni()) ? "vnni" : "avx2";
+}
+
+namespace {
+
+const BlockKernels& kernels_for(const GgufType& type, const std::string& kernel) {
+  return gguf_kernel(kernel) == "vnni" ? type.vnni : type.avx2;
+}
+
+// The checked input width: a whole number of the type's blocks.
+int64_t input_width(const at::Tensor& x, const GgufType& type) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat,
+                    "x must be a float32 [rows, in] tensor, not ", x.scalar_type(), " ",
+                    x.sizes());
+  const int64_t k = x.size(1);
+  TORCH_CHECK_VALUE(k % type.block == 0, "the input width ", k, " is not a multiple of ",
+                    type.name, "'s block of ", type.block, " values");
+  TORCH_CHECK_VALUE(k <= INT32_MAX, "the input width ", k, " is too large");
+  return k;
+}
+
+// Each row of x (contiguous fp32 [rows, k]) quantized into `row_bytes` of activation blocks.
+std::vector<uint8_t> quantize_rows(const float* x, int64_t rows, int64_t k, int64_t row_bytes,
+                                   QuantizeRow quantize) {
+  std::vector<uint8_t> blocks(static_cast<size_t>(rows * row_bytes));
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize(x + r * k, blocks.data() + r * row_bytes, k);
+  });
+  return blocks;
+}
+
+}  // namespace
+
+// x [rows, in] fp32 @ the weight's [out_features, in] values^T -> fp32 [rows, out_features];
+// `weight` holds the raw blocks, out_features rows of in / block * bytes bytes each.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type,
+                       int64_t out_features, const std::string& kernel) {
+  const GgufType& type = gguf_type(ggml_type);
+  const BlockKernels& kernels = kernels_for(type, kernel);
+  const int64_t k = input_width(x, type);
+  TORCH_CHECK_VALUE(out_features >= 0, "out_features must be >= 0, not ", out_features);
+  const int64_t weight_row_bytes = k / type.block * type.bytes;
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kByte && weight.is_contiguous(),
+                    "the weight must be a contiguous uint8 tensor of ", type.name, " blocks");
+  TORCH_CHECK_VALUE(weight.numel() == out_features * weight_row_bytes, "the weight has ",
+                    weight.numel(), " bytes; ", out_features, " rows of ", k, " ", type.name,
+                    " values take ", out_features * weight_row_bytes);
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0);
+  at::Tensor out = at::empty({rows, out_features}, xc.options());
+  if (rows == 0 || out_features == 0) return out;
+
+  const float* xp = xc.data_ptr<float>();
+  std::vector<uint8_t> quantized;
+  const uint8_t* activations = reinterpret_cast<const uint8_t*>(xp);
+  int64_t activation_row_bytes = k * 4;
+  if (kernels.quantize != nullptr) {
+    activation_row_bytes = k / type.block * type.activation_bytes;
+    quantized = quantize_rows(xp, rows, k, activation_row_bytes, kernels.quantize);
+    activations = quantized.data();
+  }
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const BlockDot dot = kernels.dot;
+  // Each weight row is read once and used for every input row while it is in cache.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(weight_row_bytes, 1));
+  at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* w = wp + j * weight_row_bytes;
+      for (int64_t r = 0; r < rows; ++r)
+        op[r * out_features + j] =
+            dot(static_cast<int>(k), w, activations + r * activation_row_bytes);
+    }
+  });
+  return out;
+}
+
+// The activation blocks gguf_linear multiplies `ggml_type` weights with: each row of x
+// quantized as the weight type's vec_dot_type, as uint8 [rows, bytes] (for tests).
+at::Tensor gguf_quantize_activations(const at::Tensor& x, int64_t ggml_type,
+                                     const std::string& kernel) {
+  const GgufType& type = gguf_type(ggml_type);
+  const BlockKernels& kernels = kernels_for(type, kernel);
+  const int64_t k = input_width(x, type);
+  TORCH_CHECK_VALUE(kernels.quantize != nullptr, type.name, " weights multiply fp32 inputs");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), row_bytes = k / type.block * type.activation_bytes;
+  std::vector<uint8_t> blocks =
+      quantize_rows(xc.data_ptr<float>(), rows, k, row_bytes, kernels.quantize);
+  at::Tensor out = at::empty({rows, row_bytes}, xc.options().dtype(at::kByte));
+  if (!blocks.empty()) memcpy(out.data_ptr<uint8_t>(), blocks.data(), blocks.size());
+  return out;
+}
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def(
+      "gguf_linear(Tensor x, Tensor weight, int ggml_type, int out_features, "
+      "str kernel='auto') -> Tensor");
+  m.def("gguf_quantize_activations(Tensor x, int ggml_type, str kernel='auto') -> Tensor");
+  m.def("gguf_kernel(str kernel='auto') -> str", &pagedllm::gguf_kernel);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("gguf_linear", &pagedllm::gguf_linear);
+  m.impl("gguf_quantize_activations", &pagedllm::gguf_quantize_activations);
+}

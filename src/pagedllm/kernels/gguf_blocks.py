@@ -1,0 +1,58 @@
+"""Linear layers on GGUF weights as stored: the GGML types the compiled kernels compute on,
+their block geometry, and the call of the `gguf_linear` op (csrc/gguf_linear.cpp).
+
+A weight of such a type is a uint8 tensor of its raw blocks, one row of
+`in_features / values_per_block` blocks per output feature, exactly as the file holds it.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from pagedllm.kernels.cpu import load_cpu_ops
+
+# The types `gguf_linear` computes on (what the Q4_K_M/Q5_K_M mixes, Q8_0, Q4_0, Q4_1 and
+# Q5_0 files hold, and unquantized F16/BF16 tensors).
+KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = (
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+)
+
+
+def block_geometry(ggml_type: GGMLQuantizationType) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGML type."""
+    return GGML_QUANT_SIZES[ggml_type]
+
+
+def kernel_build(kernel: str = "auto") -> str:
+    """The build `kernel` names on this machine: "avx2" or "vnni" ("auto": AVX-512 VNNI
+    where the CPU has it and PAGEDLLM_NO_VNNI is unset)."""
+    return load_cpu_ops().gguf_kernel(kernel)
+
+
+def gguf_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ggml_type: GGMLQuantizationType,
+    out_features: int,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """x (fp32 [rows, in]) @ W^T for W [out_features, in] stored as `weight`, its raw
+    `ggml_type` blocks (uint8). `kernel`: "auto", "avx2" or "vnni" (see kernel_build)."""
+    return load_cpu_ops().gguf_linear(x, weight, int(ggml_type), out_features, kernel)
+
+
+def quantize_activations(
+    x: torch.Tensor, ggml_type: GGMLQuantizationType, kernel: str = "auto"
+) -> torch.Tensor:
+    """The 8-bit blocks (Q8_0, Q8_1 or Q8_K) `gguf_linear` turns each row of x into before
+    multiplying it with `ggml_type` weights, as uint8 [rows, bytes]."""
+    return load_cpu_ops().gguf_quantize_activations(x, int(ggml_type), kernel)
