@@ -9,7 +9,9 @@ whose add or delivery raises fail alone, and so do those the engine's step repor
 failed (`RequestOutput.error`); only if step() itself raises does every request fail.
 `max_waiting` bounds the backlog: the waiting requests beyond what the engine could
 admit now (`EngineSnapshot.backlog`). `snapshot` is the engine's snapshot after the
-loop's latest iteration, safe to read from any thread.
+loop's latest iteration, safe to read from any thread. For a graceful shutdown, `drain`
+refuses new requests and `end_unfinished` ends the running ones (EngineStoppedError),
+freeing their blocks.
 
 `AsyncLLMEngine.build` constructs the engine on that thread too, so that one thread does
 all the torch work: libgomp keeps a team of worker threads for every thread that ever ran
@@ -31,7 +33,7 @@ from typing import Any, TypeVar
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
-from pagedllm.errors import EngineOverloadedError, RequestFailedError
+from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -106,6 +108,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._paused = False
+        self._draining = False
         self.snapshot: EngineSnapshot = engine.snapshot()
 
     @classmethod
@@ -159,6 +162,22 @@ class AsyncLLMEngine:
             thread.join(timeout)
         self._thread = None
 
+    def drain(self) -> None:
+        """Admit no new request from now on (add_requests raises EngineStoppedError); the
+        requests already added run on."""
+        self._draining = True
+
+    def end_unfinished(self, reason: str) -> None:
+        """End every unfinished request with EngineStoppedError(reason), from any thread:
+        its consumer gets the error, and its blocks are freed before the next step."""
+        error = EngineStoppedError(reason)
+
+        def run() -> None:
+            for request_id in self._everyone():
+                self._fail(request_id, error)
+
+        self._submit(run)
+
     def pause(self) -> None:
         """Stop stepping: requests are still added and aborted, but make no progress."""
         with self._cond:
@@ -203,7 +222,8 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue (request id, prompt, params) requests together, all or none, and return
         one stream of their outputs. Raises InvalidParameterError (a bad or oversized
-        request) or EngineOverloadedError (the backlog is at `max_waiting`).
+        request), EngineOverloadedError (the backlog is at `max_waiting`) or
+        EngineStoppedError (draining: see `drain`).
 
         Pass token ids to keep tokenization off the engine thread: a text prompt is
         tokenized on it, and every running request waits meanwhile."""
@@ -212,6 +232,8 @@ class AsyncLLMEngine:
         stream = RequestStream(self, [request_id for request_id, _, _ in requests])
 
         def add() -> None:
+            if self._draining:
+                raise EngineStoppedError("the server is shutting down: it takes no new request")
             limit = self.max_waiting
             if limit is not None and (backlog := self.engine.snapshot().backlog) >= limit:
                 raise EngineOverloadedError(
@@ -268,7 +290,7 @@ class AsyncLLMEngine:
             if not paused and self.engine.has_unfinished_requests():
                 self._step()
             self.snapshot = self.engine.snapshot()
-        self._fail_all(RequestFailedError("the engine was shut down"))
+        self._fail_all(EngineStoppedError("the engine was shut down"))
 
     def _step(self) -> None:
         try:

@@ -1,11 +1,26 @@
 """The server's request limits, their defaults and their one check: shared by create_app
 and `pagedllm serve`, which checks them before loading a model (this module imports no
-FastAPI, so `pagedllm --help` stays fast)."""
+FastAPI, so `pagedllm --help` stays fast); and the limit of a graceful shutdown
+(shutdown.py)."""
 
 from __future__ import annotations
 
+import math
+
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
+# Seconds running requests may go on after SIGTERM or SIGINT; a few, as uvicorn's
+# timeout_graceful_shutdown is usually set, so that an orchestrator's kill (Kubernetes
+# sends SIGKILL 30 s after SIGTERM) never cuts a stream before its error event.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+
+
+def check_shutdown_timeout(shutdown_timeout: float) -> None:
+    """ValueError unless a finite number of seconds >= 0."""
+    if not 0 <= shutdown_timeout < math.inf:  # also refuses nan
+        raise ValueError(
+            f"shutdown_timeout must be a finite number of seconds >= 0, got {shutdown_timeout}"
+        )
 
 
 def check_limits(max_request_bytes: int, body_timeout: float) -> None:
