@@ -26,6 +26,7 @@ import httpx
 import pytest
 import uvicorn
 
+import pagedllm
 from hf_oracle import make_tiny_model
 from live_server import NAME, check_error
 from pagedllm.engine.async_engine import AsyncLLMEngine
@@ -122,7 +123,7 @@ def test_sigterm_ends_running_requests_at_the_limit_and_exits(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (tmp_path / "serve.log").open("w")
-    # The process serves the model with the test's own interpreter and source tree.
+    # The test's own interpreter and source tree.
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -145,7 +146,7 @@ def test_sigterm_ends_running_requests_at_the_limit_and_exits(
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        env={**os.environ, "PYTHONPATH": str(Path(pagedllm.__file__).parents[1])},
     )
     try:
         deadline = time.monotonic() + 180  # a hang guard for the start, not a timing
@@ -165,6 +166,7 @@ def test_sigterm_ends_running_requests_at_the_limit_and_exits(
             assert s.started.wait(120)
         running = 0.0
         while running < 4:  # the non-streaming one too
+            assert time.monotonic() < deadline, "the requests did not start"
             metrics = httpx.get(url + "/metrics").text
             running = float(metrics.split("\npagedllm:num_requests_running ")[1].split()[0])
 
@@ -216,14 +218,16 @@ def test_the_shutdown_frees_every_block_and_refuses_new_requests(
         t.start()
     for s in streams:
         assert s.started.wait(120)
-    while engine.snapshot.num_running < 3:
+    deadline = time.monotonic() + 120  # a hang guard, not a timing
+    while engine.snapshot.num_running < 3:  # the non-streaming one too
+        assert time.monotonic() < deadline, "the requests did not start"
         time.sleep(0.01)
     assert engine.snapshot.usage.used_blocks > 0
 
     engine.drain()  # as the shutdown does first: a request read from now on is refused
     check_error(httpx.post(url, json=body(False)), 503, code="server_shutting_down")
     server.should_exit = True  # what SIGTERM does
-    thread.join(60)
+    thread.join(60)  # without the limit, it would wait for the streams' minutes
     assert not thread.is_alive()
     for t in (*streams, whole):
         t.join(10)

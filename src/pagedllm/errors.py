@@ -4,11 +4,12 @@
 problem (`code`), so that callers such as the HTTP server map it to a response without
 reading its message. The others say what failed: loading a model (`ModelLoadError`), a
 request (`RequestFailedError`; `EngineStoppedError` when the engine shuts down), the
-engine's admission (`EngineOverloadedError`), the block pool (`NoFreeBlocksError`), the compiled kernels (`KernelUnavailableError`), a
-tensor-parallel group (`TensorParallelError`), a structured-output grammar that rejected
-a drawn token (`GrammarError`). Every error type of the engine lives
-here; the HTTP server's `APIError` is a response, not an error of the engine. Plain
-Python: every layer may import it.
+engine's admission (`EngineOverloadedError`), the block pool (`NoFreeBlocksError`), the
+compiled kernels (`KernelUnavailableError`), a tensor-parallel group
+(`TensorParallelError`), a structured-output grammar that rejected a drawn token
+(`GrammarError`). Every error type of the engine lives here; the HTTP server's
+`APIError` is a response, not an error of the engine. Plain Python: every layer may
+import it.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ class AsyncLLMEngine:
 
         def add() -> None:
             if self._draining:
-                raise EngineStoppedError("the server is shutting down: it takes no new request")
+                raise EngineStoppedError("the engine is shutting down: it takes no new request")
             limit = self.max_waiting
             if limit is not None and (backlog := self.engine.snapshot().backlog) >= limit:
                 raise EngineOverloadedError(

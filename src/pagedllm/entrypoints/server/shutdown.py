@@ -51,7 +51,6 @@ class DrainingServer(uvicorn.Server):
 def serve(app: Any, shutdown_timeout: float, **config: Any) -> None:
     """Run `app` (create_app's, over an AsyncLLMEngine) until SIGTERM or SIGINT, then shut
     down as above; `config`: uvicorn.Config's options (host, port, log_level)."""
-    check_shutdown_timeout(shutdown_timeout)
     timeout = shutdown_timeout + CLOSE_GRACE_S
     server_config = uvicorn.Config(app, timeout_graceful_shutdown=timeout, **config)
     DrainingServer(server_config, app.state.engine, shutdown_timeout).run()
