@@ -4,8 +4,9 @@ Greedy output with speculation equals greedy output without, token for token, on
 random models whose outputs repeat (so proposals are both accepted and rejected; each
 test asserts both happened): batched, chunked, prefix-cached, under preemption, on a
 hybrid model (a tiny Gemma 3 with window groups), with stop tokens, stop strings, EOS,
-max_tokens and log-probs. Seeded sampling with speculation is reproducible and does not
-depend on the batch. The pool is whole after every run. Requests that must not speculate
+max_tokens and log-probs. Seeded sampling with speculation is reproducible, does not
+depend on the batch, and gives the same tokens as with speculation paused by batch size.
+The pool is whole after every run. Requests that must not speculate
 (n > 1, beam search, structured output, a large batch) do not.
 """
 

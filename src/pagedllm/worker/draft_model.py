@@ -194,8 +194,10 @@ class DraftProposer:
                 logits_at.append(n)
                 spec.append(_Speculating(row, k, chunk_end, s.block_tables))
         hidden, last = self.runner.run_tokens(cache, ids, starts, lens, tables, logits_at)
-        copies = [None if g is None else _copy(g) for g in generators]
-        drawn = self._draw(hidden[last], spec, rows, copies) if spec else {}
+        drawn: dict[int, tuple[tuple[int, ...], torch.Tensor | None]] = {}
+        if spec:
+            copies = [None if g is None else _copy(g) for g in generators]
+            drawn = self._draw(hidden[last], spec, rows, copies)
         self._planned = [
             replace(p, proposals=drawn[p.row][0]) if p.row >= 0 else p for p in planned
         ]

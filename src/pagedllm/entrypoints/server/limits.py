@@ -9,9 +9,9 @@ import math
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
-# Seconds running requests may go on after SIGTERM or SIGINT; a few, as uvicorn's
-# timeout_graceful_shutdown is usually set, so that an orchestrator's kill (Kubernetes
-# sends SIGKILL 30 s after SIGTERM) never cuts a stream before its error event.
+# Seconds running requests may go on after SIGTERM or SIGINT: a few, well inside an
+# orchestrator's grace period (Kubernetes kills 30 s after SIGTERM), so that its kill
+# never cuts a stream before the stream's error event.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
 
