@@ -17,7 +17,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.llm import LLM
-from pagedllm.errors import EngineOverloadedError, RequestFailedError
+from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120] * 2]
@@ -314,6 +314,26 @@ def test_shutdown_fails_unfinished_requests(make_engine) -> None:
         stream = await engine.add_request("r", PROMPTS[0], GREEDY)
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
         with pytest.raises(RequestFailedError, match="shut down"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+    assert engine.engine.kv.usage().used_blocks == 0
+    assert not engine.engine.has_unfinished_requests()
+
+
+def test_drain_refuses_new_requests_and_end_unfinished_frees_the_running(make_engine) -> None:
+    engine = make_engine()
+
+    async def main() -> None:
+        stream = await engine.add_request("r", PROMPTS[0], LONG)
+        await stream.__anext__()  # running: it holds blocks
+        engine.pause()  # so that it cannot finish by itself
+        engine.drain()
+        with pytest.raises(EngineStoppedError, match="no new request"):
+            await engine.add_request("new", PROMPTS[1], GREEDY)
+        engine.end_unfinished("ended by the test")
+        with pytest.raises(EngineStoppedError, match="ended by the test"):
             async for _ in stream:
                 pass
 

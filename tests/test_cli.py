@@ -60,6 +60,10 @@ def test_bad_engine_option_exits_2_with_one_line_from_the_shell() -> None:
         (["--max-request-bytes", "0"], "max_request_bytes must be >= 1, got 0"),
         (["--body-timeout", "nan"], "body_timeout must be > 0 seconds, got nan"),
         (["--max-prompts-per-request", "0"], "max_prompts_per_request must be >= 1, got 0"),
+        (["--shutdown-timeout", "-1"], "shutdown_timeout must be a finite number of seconds >= 0"),
+        (["--shutdown-timeout", "inf"], "shutdown_timeout must be a finite number of seconds"),
+        (["--shutdown-timeout", "nan"], "shutdown_timeout must be a finite number of seconds"),
+        (["--ray", "--shutdown-timeout", "3"], "--shutdown-timeout is not read with --ray"),
     ],
 )
 def test_bad_serve_limits_exit_with_one_line_before_loading(args, message, capsys) -> None:

@@ -289,12 +289,11 @@ def test_token_text_only_with_kv_view_text(chat_model_dir: Path, text: bool) -> 
 
 
 def test_serve_flags(monkeypatch: pytest.MonkeyPatch, chat_model_dir: Path) -> None:
-    import uvicorn
-
+    from pagedllm.entrypoints.server import shutdown
     from pagedllm.entrypoints.server.serve_cli import add_serve_parser
 
     served: list[Any] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    monkeypatch.setattr(shutdown, "serve", lambda app, timeout, **kw: served.append(app))
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
     base = ["serve", "--model", str(chat_model_dir), "--num-kv-blocks", "32"]

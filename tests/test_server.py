@@ -352,12 +352,11 @@ def test_an_empty_api_key_means_no_key(chat_model_dir: Path, monkeypatch, caplog
     finally:
         live.close()
     # `pagedllm serve` with PAGEDLLM_API_KEY="" says the same.
-    import uvicorn
-
+    from pagedllm.entrypoints.server import shutdown
     from pagedllm.entrypoints.server.serve_cli import add_serve_parser
 
     served = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    monkeypatch.setattr(shutdown, "serve", lambda app, timeout, **kw: served.append(app))
     monkeypatch.setenv("PAGEDLLM_API_KEY", "")
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())

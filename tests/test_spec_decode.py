@@ -4,14 +4,16 @@ Greedy output with speculation equals greedy output without, token for token, on
 random models whose outputs repeat (so proposals are both accepted and rejected; each
 test asserts both happened): batched, chunked, prefix-cached, under preemption, on a
 hybrid model (a tiny Gemma 3 with window groups), with stop tokens, stop strings, EOS,
-max_tokens and log-probs. Seeded sampling with speculation is reproducible and does not
-depend on the batch. The pool is whole after every run. Requests that must not speculate
+max_tokens and log-probs. Seeded sampling with speculation is reproducible, does not
+depend on the batch, and gives the same tokens as with speculation paused by batch size.
+The pool is whole after every run. Requests that must not speculate
 (n > 1, beam search, structured output, a large batch) do not.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,15 +177,38 @@ def test_stop_strings_and_eos_as_without(chat_model_dir):
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama_dir, prompts):
-    # Sharp enough that a random tiny model accepts some proposals.
+@pytest.fixture(scope="module")
+def sharp_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with larger weights: peaked enough at temperature 0.8 that
+    n-gram proposals are sometimes accepted."""
+    return make_tiny_model(tmp_path_factory.mktemp("sharp-llama"), "llama", initializer_range=0.5)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(sharp_llama_dir, prompts):
     params = SamplingParams(temperature=0.1, top_p=0.95, max_tokens=30, ignore_eos=True, seed=7)
-    alone = tokens(run(tiny_llama_dir, prompts[:1], params, **NGRAM)[0])
-    outs, llm = run(tiny_llama_dir, prompts, params, **NGRAM)
-    again = tokens(run(tiny_llama_dir, prompts, params, **NGRAM)[0])
+    alone = tokens(run(sharp_llama_dir, prompts[:1], params, **NGRAM)[0])
+    outs, llm = run(sharp_llama_dir, prompts, params, **NGRAM)
+    again = tokens(run(sharp_llama_dir, prompts, params, **NGRAM)[0])
     assert tokens(outs) == again
     assert tokens(outs)[:1] == alone
     assert llm.engine.snapshot().spec_accepted_tokens > 0
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_or_off(sharp_llama_dir, prompts):
+    """T=0.8, seed 7: alone it speculates; beside 9 others, speculation is off by batch
+    size (8 by default). Its tokens are the same either way."""
+    params = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=7)
+    alone, llm = run(sharp_llama_dir, prompts[:1], params, **NGRAM)
+    assert llm.engine.snapshot().spec_accepted_tokens > 0
+    others = [{"prompt_token_ids": prompts[1 + i % 3]} for i in range(9)]
+    crowd = LLM(str(sharp_llama_dir), block_size=4, **NGRAM)
+    beside = crowd.generate(
+        [{"prompt_token_ids": prompts[0]}, *others],
+        [params, *[SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)] * 9],
+        use_tqdm=False,
+    )
+    assert crowd.engine.snapshot().spec_proposed_tokens == 0
+    assert tokens(beside)[0] == tokens(alone)[0]
 
 
 def test_who_does_not_speculate(tiny_llama_dir, prompts):

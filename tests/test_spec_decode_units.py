@@ -2,8 +2,8 @@
 choices (and a brute-force oracle on random sequences), SpeculativeConfig's validation,
 greedy verification token-for-token equal to drawing each token in turn with the
 sampler, rejection sampling whose output distribution is the target's (chi-square on an
-8-token vocabulary, one-hot and random drafts), seeded rows reproducible whatever the
-batch, and a failing row failing alone."""
+8-token vocabulary, one-hot and random drafts), seeded rows drawing exactly the tokens of
+decoding one at a time whatever the batch, and a failing row failing alone."""
 
 from __future__ import annotations
 
@@ -348,6 +348,24 @@ def test_a_seeded_row_is_reproducible_whatever_else_is_in_the_batch() -> None:
         g = torch.Generator().manual_seed(seed)
         outs.add(tuple(SpecVerifier()(logits, [seeded], None, [g]).token_ids[0]))
     assert len(outs) > 1
+
+
+def test_a_seeded_row_draws_the_tokens_of_decoding_one_at_a_time() -> None:
+    """Its tokens are the sampler's draws in turn from the same generator, proposals kept
+    up to the first that differs, and the generator ends where those draws leave it."""
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(6)) * 3
+    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3)
+    one_at_a_time = torch.Generator().manual_seed(77)
+    drawn: list[int] = []
+    for j in range(3):
+        row = SampleRow(j, 0, params, seed=77, output_ids=tuple(drawn))
+        drawn += Sampler()(logits, [row], [one_at_a_time]).token_ids
+    wrong = next(t for t in range(64) if t != drawn[2])
+    seeded = torch.Generator().manual_seed(77)
+    spec = SpecRow(SampleRow(0, 0, params, seed=77), [drawn[0], drawn[1], wrong, 5], 0)
+    out = SpecVerifier(torch.Generator().manual_seed(1))(logits, [spec], None, [seeded])
+    assert out.token_ids == [drawn]
+    assert torch.equal(seeded.get_state(), one_at_a_time.get_state())
 
 
 class _Grammar:

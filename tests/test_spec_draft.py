@@ -6,9 +6,9 @@ proposal accepted, which also shows that the draft's K/V kept up with the target
 chunking, preemption and prefix-cache hits) and with a different random model of the same
 vocabulary (most proposals rejected); batched, chunked, preempted, prefix-cached, with the
 pool whole after every run. Rejection sampling with the draft's own distributions keeps
-the target's distribution (chi-square); seeded sampling is reproducible and does not
-depend on the batch; the int8 self-draft; the refusals; the server and the bench's draft
-mode.
+the target's distribution (chi-square); seeded sampling gives the tokens of decoding
+without speculation, whatever the batch; the int8 self-draft; the refusals; the server
+and the bench's draft mode.
 """
 
 from __future__ import annotations
@@ -145,6 +145,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(
     assert batched[:1] == alone
     snap = llm.engine.snapshot()
     assert 0 < snap.spec_accepted_tokens < snap.spec_proposed_tokens
+    # The tokens of decoding without speculation; with the target as its own draft,
+    # drawing with the request's noise, every proposal is the token the request draws.
+    assert run(tiny_llama_dir, prompts, params)[0] == batched
+    self_drafted, llm = run(tiny_llama_dir, prompts, params, **draft(tiny_llama_dir, k=3))
+    assert self_drafted == batched
+    snap = llm.engine.snapshot()
+    assert snap.spec_accepted_tokens == snap.spec_proposed_tokens > 0
     # Beside greedy requests (checked by argmax, with no q of theirs): both unchanged.
     mixed, _ = run(tiny_llama_dir, prompts, [params, *[GREEDY] * 3], **options)
     assert mixed == alone + plain[1:]

@@ -3,12 +3,13 @@
 `InvalidParameterError` names the parameter that was wrong (`param`) and the kind of
 problem (`code`), so that callers such as the HTTP server map it to a response without
 reading its message. The others say what failed: loading a model (`ModelLoadError`), a
-request (`RequestFailedError`), the engine's admission (`EngineOverloadedError`), the
-block pool (`NoFreeBlocksError`), the compiled kernels (`KernelUnavailableError`), a
-tensor-parallel group (`TensorParallelError`), a structured-output grammar that rejected
-a drawn token (`GrammarError`). Every error type of the engine lives
-here; the HTTP server's `APIError` is a response, not an error of the engine. Plain
-Python: every layer may import it.
+request (`RequestFailedError`; `EngineStoppedError` when the engine shuts down), the
+engine's admission (`EngineOverloadedError`), the block pool (`NoFreeBlocksError`), the
+compiled kernels (`KernelUnavailableError`), a tensor-parallel group
+(`TensorParallelError`), a structured-output grammar that rejected a drawn token
+(`GrammarError`). Every error type of the engine lives here; the HTTP server's
+`APIError` is a response, not an error of the engine. Plain Python: every layer may
+import it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class InvalidParameterError(ValueError):
 class RequestFailedError(RuntimeError):
     """The engine failed while running this request (or stopped before it finished).
     Other requests are not affected."""
+
+
+class EngineStoppedError(RequestFailedError):
+    """The engine is shutting down: it ended this request before it finished, or refused
+    it as new (HTTP 503)."""
 
 
 class EngineOverloadedError(RuntimeError):

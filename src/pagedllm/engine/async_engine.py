@@ -10,7 +10,9 @@ failed (`RequestOutput.error`); only if step() itself raises does every request 
 `max_waiting` bounds the backlog: the waiting requests beyond what the engine could
 admit now (`EngineSnapshot.backlog`); every request of a group counts, and a group that
 would take the backlog past it is refused whole. `snapshot` is the engine's snapshot after the
-loop's latest iteration, safe to read from any thread.
+loop's latest iteration, safe to read from any thread. For a graceful shutdown, `drain`
+refuses new requests and `end_unfinished` ends the running ones (EngineStoppedError),
+freeing their blocks.
 
 Grammars (structured output) are compiled before a request is handed to that thread, on
 threads of their own that only wait for the compiler's worker processes: a compile takes
@@ -38,7 +40,7 @@ from typing import Any, TypeVar
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
-from pagedllm.errors import EngineOverloadedError, RequestFailedError
+from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -117,6 +119,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._paused = False
         self._grammar_threads: ThreadPoolExecutor | None = None  # started at first use
+        self._draining = False
         self.snapshot: EngineSnapshot = engine.snapshot()
 
     @classmethod
@@ -173,6 +176,22 @@ class AsyncLLMEngine:
             self._grammar_threads.shutdown(wait=False, cancel_futures=True)
             self._grammar_threads = None
 
+    def drain(self) -> None:
+        """Admit no new request from now on (add_requests raises EngineStoppedError); the
+        requests already added run on."""
+        self._draining = True
+
+    def end_unfinished(self, reason: str) -> None:
+        """End every unfinished request with EngineStoppedError(reason), from any thread:
+        its consumer gets the error, and its blocks are freed before the next step."""
+        error = EngineStoppedError(reason)
+
+        def run() -> None:
+            for request_id in self._everyone():
+                self._fail(request_id, error)
+
+        self._submit(run)
+
     def pause(self) -> None:
         """Stop stepping: requests are still added and aborted, but make no progress."""
         with self._cond:
@@ -219,9 +238,9 @@ class AsyncLLMEngine:
         """Queue (request id, prompt, params) requests together, all or none, and return
         one stream of their outputs. Raises InvalidParameterError (a bad or oversized
         request; a grammar that cannot be compiled names `grammar_param`, default
-        `structured_outputs.<kind>`) or EngineOverloadedError (the backlog is at
+        `structured_outputs.<kind>`), EngineOverloadedError (the backlog is at
         `max_waiting`, or these requests would take it past; or the grammar compiler has
-        no room).
+        no room) or EngineStoppedError (draining: see `drain`).
 
         Pass token ids to keep tokenization off the engine thread: a text prompt is
         tokenized on it, and every running request waits meanwhile. Grammars are
@@ -237,6 +256,8 @@ class AsyncLLMEngine:
         stream = RequestStream(self, [request_id for request_id, _, _ in requests])
 
         def add() -> None:
+            if self._draining:
+                raise EngineStoppedError("the engine is shutting down: it takes no new request")
             limit = self.max_waiting
             if limit is not None and (backlog := self.engine.snapshot().backlog) >= limit:
                 raise EngineOverloadedError(
@@ -322,7 +343,7 @@ class AsyncLLMEngine:
             if not paused and self.engine.has_unfinished_requests():
                 self._step()
             self.snapshot = self.engine.snapshot()
-        self._fail_all(RequestFailedError("the engine was shut down"))
+        self._fail_all(EngineStoppedError("the engine was shut down"))
 
     def _step(self) -> None:
         try:

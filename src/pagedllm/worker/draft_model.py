@@ -17,7 +17,10 @@ their own; a block's bytes are the target's plus the draft's. Each step:
 
 Proposals are drawn with the sequence's own sampling settings (the sampler's logits
 processing, then temperature, top-k/p, min-p): greedy rows by argmax, sampled rows from
-the row's generator (a seeded request stays reproducible) or the runner's shared one.
+the runner's shared generator, or a seeded row from a copy of its own: the noise the
+verifier then draws the row's tokens with, position after position, so that where the
+draft agrees with the target its proposal is the token the request draws (and the
+request's own generator advances only by the tokens it keeps).
 
 Where the draft's K/V can be stale (which costs acceptance only: the target checks every
 token): when all k proposals are accepted, the last one's position was never run through
@@ -124,6 +127,12 @@ def draw_proposals(
     return tokens.tolist(), q
 
 
+def _copy(generator: torch.Generator) -> torch.Generator:
+    copy = torch.Generator(device=generator.device)
+    copy.set_state(generator.get_state())
+    return copy
+
+
 class DraftProposer:
     def __init__(self, runner: DraftRunner, generator: torch.Generator | None) -> None:
         """`runner`: the draft model's own runner (its weights, its KV tensors);
@@ -185,7 +194,10 @@ class DraftProposer:
                 logits_at.append(n)
                 spec.append(_Speculating(row, k, chunk_end, s.block_tables))
         hidden, last = self.runner.run_tokens(cache, ids, starts, lens, tables, logits_at)
-        drawn = self._draw(hidden[last], spec, rows, generators) if spec else {}
+        drawn: dict[int, tuple[tuple[int, ...], torch.Tensor | None]] = {}
+        if spec:
+            copies = [None if g is None else _copy(g) for g in generators]
+            drawn = self._draw(hidden[last], spec, rows, copies)
         self._planned = [
             replace(p, proposals=drawn[p.row][0]) if p.row >= 0 else p for p in planned
         ]

@@ -9,16 +9,21 @@ penalties over the output so far plus the proposals before it, temperature, top-
 min-p), then:
 * greedy rows keep the longest prefix of proposals equal to the target's argmax, plus
   the argmax at the first position that differs (or after the last proposal);
-* sampled rows do rejection sampling (Leviathan et al. 2023): d_j is accepted with
+* seeded sampled rows draw each position's token as the sampler would, one Exp(1) race
+  over the vocabulary from the row's own generator, position after position, and keep
+  the proposals up to the first position whose drawn token differs: the tokens, and the
+  generator's state after them, are those of decoding without speculation, so a seeded
+  request's tokens do not depend on whether it speculated (nor on the batch). A proposal
+  is kept with probability p(d_j), the output has p's distribution since it is p's draw;
+* other sampled rows do rejection sampling (Leviathan et al. 2023): d_j is accepted with
   probability min(1, p(d_j) / q(d_j)); at the first rejection the token is drawn from
   max(0, p - q) renormalised; with every proposal accepted, a bonus token from p. The
   n-gram proposer's q is one-hot at its proposal: accept with probability p(d_j), and on
-  rejection draw from p with d_j removed.
-Randomness: per proposal a uniform, then one Exp(1) race over the vocabulary for the
-final token, from the row's own generator when it has one (seeded rows do not depend on
-the batch) and the verifier's otherwise. A row with no proposals is an ordinary draw and
-takes exactly the token the sampler takes from the same generator state. Log-probs are
-the target's raw ones at each accepted position, as the sampler reports them.
+  rejection draw from p with d_j removed. Randomness: per proposal a uniform, then one
+  Exp(1) race for the final token, from the verifier's generator.
+A row with no proposals is an ordinary draw and takes exactly the token the sampler takes
+from the same generator state. Log-probs are the target's raw ones at each accepted
+position, as the sampler reports them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pagedllm.worker.runner import SampleRow
-from pagedllm.worker.sampler import Sampler, exponential_noise, process_logits, sampling_probs
+from pagedllm.worker.sampler import Sampler, process_logits, sampling_probs
 
 
 @dataclass(frozen=True)
@@ -160,14 +165,21 @@ class SpecVerifier:
         if not plain:
             x = process_logits(x, pos_rows)
         target = x.argmax(dim=-1)
-        sampled_rows = [not r.sample.params.greedy for r in rows]
-        any_sampled = any(sampled_rows)
-        probs = sampling_probs(x, pos_rows) if any_sampled else None
+        sampled = [not r.sample.params.greedy for r in rows]
+        probs = sampling_probs(x, pos_rows) if any(sampled) else None
+        raced = [s and g is not None for s, g in zip(sampled, gens, strict=True)]
+        if any(raced):
+            assert probs is not None
+            target = _race(target, probs, starts, drafts, raced, gens)
+        # Rows checked by rejection sampling; raced ones are checked like greedy ones, against
+        # their drawn tokens.
+        rejecting = [s and not r for s, r in zip(sampled, raced, strict=True)]
+        any_rejecting = any(rejecting)
 
         dp = torch.tensor(draft_pos, dtype=torch.long, device=device)
         dt = torch.tensor(flat_draft, dtype=torch.long, device=device)
         accepted = target[dp] == dt
-        if any_sampled and flat_draft:
+        if any_rejecting and flat_draft:
             assert probs is not None
             p_x = probs[dp, dt] / probs[dp].sum(dim=-1)
             if draft_probs is None:
@@ -175,9 +187,10 @@ class SpecVerifier:
             else:
                 q_x = draft_probs.float().gather(1, dt[:, None])[:, 0]
             # u < p/q, written so that q(x) = 0 (never drawn by the draft) cannot divide.
-            by_ratio = self._uniforms(ks, gens, device) * q_x < p_x
+            by_ratio = torch.rand(len(flat_draft), generator=self.generator, device=device)
+            by_ratio = by_ratio * q_x < p_x
             greedy_at = torch.tensor(
-                [not sampled_rows[i] for i, k in enumerate(ks) for _ in range(k)], device=device
+                [not rejecting[i] for i, k in enumerate(ks) for _ in range(k)], device=device
             )
             accepted = torch.where(greedy_at, accepted, by_ratio)
         kmax = max(ks, default=0)
@@ -189,28 +202,11 @@ class SpecVerifier:
         num_acc = grid.long().cumprod(dim=1).sum(dim=1)  # the accepted prefix's length
         final_pos = torch.tensor(starts[:-1], device=device) + num_acc
         final = target[final_pos]
-        if any_sampled:
+        if any_rejecting:
             assert probs is not None
-            drawn = self._final_draw(probs, final_pos, num_acc, ks, dt, draft_probs, gens)
-            final = torch.where(torch.tensor(sampled_rows, device=device), drawn, final)
+            drawn = self._final_draw(probs, final_pos, num_acc, ks, dt, draft_probs)
+            final = torch.where(torch.tensor(rejecting, device=device), drawn, final)
         return self._tokens(rows, drafts, starts, num_acc.tolist(), final.tolist(), x, raw_logprobs)
-
-    def _uniforms(
-        self, ks: list[int], gens: list[torch.Generator | None], device: torch.device
-    ) -> torch.Tensor:
-        """One U[0, 1) per proposal, in proposal order: seeded rows' from their own
-        generator (before their final token's noise), the others' in one call."""
-        parts: list[torch.Tensor] = []
-        unseeded = sum(k for k, g in zip(ks, gens, strict=True) if g is None)
-        shared = torch.rand(unseeded, generator=self.generator, device=device) if unseeded else None
-        used = 0
-        for k, g in zip(ks, gens, strict=True):
-            if g is not None:
-                parts.append(torch.rand(k, generator=g, device=device))
-            elif shared is not None:
-                parts.append(shared[used : used + k])
-                used += k
-        return torch.cat(parts)
 
     def _final_draw(
         self,
@@ -220,7 +216,6 @@ class SpecVerifier:
         ks: list[int],
         draft_tokens: torch.Tensor,
         draft_probs: torch.Tensor | None,
-        gens: list[torch.Generator | None],
     ) -> torch.Tensor:
         """Each row's token at its final position: from p after a full acceptance (the
         sampler's own race, unnormalised as it is), else from max(0, p - q)."""
@@ -238,7 +233,8 @@ class SpecVerifier:
             # A rejection needs p(d) < q(d), so the residual has mass; rounding aside.
             lost = resid.sum(dim=-1, keepdim=True) <= 0
             dist = dist.index_put((rejected,), torch.where(lost, p, resid))
-        return (dist / exponential_noise(dist, gens, self.generator)).argmax(dim=-1)
+        noise = torch.empty_like(dist).exponential_(generator=self.generator)
+        return (dist / noise).argmax(dim=-1)
 
     @staticmethod
     def _tokens(
@@ -278,6 +274,34 @@ class SpecVerifier:
             out.top_logprobs.append([lp[:m] for lp in top_lp_l[at : at + n]])
             at += n
         return out
+
+
+def _race(
+    target: torch.Tensor,
+    probs: torch.Tensor,
+    starts: list[int],
+    drafts: list[list[int]],
+    raced: list[bool],
+    gens: list[torch.Generator | None],
+) -> torch.Tensor:
+    """`target` with each raced row's tokens drawn by the sampler's race (argmax of
+    probs / Exp(1) noise, a vocabulary of noise per token from the row's generator), one
+    position after another until the drawn token differs from the proposal or the last
+    position is drawn. Positions after that one keep `target`'s values: they are never
+    read, and no noise is drawn for them, so the generator advances exactly as it would
+    drawing the kept tokens one step at a time."""
+    target = target.clone()
+    for i, draft in enumerate(drafts):
+        gen = gens[i]
+        if not raced[i] or gen is None:
+            continue
+        for j in range(len(draft) + 1):
+            p = probs[starts[i] + j]
+            token = int((p / torch.empty_like(p).exponential_(generator=gen)).argmax())
+            target[starts[i] + j] = token
+            if j == len(draft) or token != draft[j]:
+                break
+    return target
 
 
 def _check(

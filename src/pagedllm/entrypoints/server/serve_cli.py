@@ -14,7 +14,9 @@ from pagedllm.entrypoints.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
     check_limits,
+    check_shutdown_timeout,
 )
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS
 
@@ -61,6 +63,13 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_BODY_TIMEOUT_S,
         help="seconds a client has to send its whole request body (408 after; default %(default)g)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="on SIGTERM or SIGINT, seconds running requests may go on before they end with "
+        f"an error (new ones are refused at once; default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--allowed-origins",
@@ -131,15 +140,23 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.server.app import create_app
+    from pagedllm.entrypoints.server.shutdown import serve
 
     logging.getLogger("pagedllm").setLevel(args.log_level.upper())
     # Bad values fail here, before a model loads (create_app checks the limits again).
     check_limits(args.max_request_bytes, args.body_timeout, args.max_prompts_per_request)
+    shutdown_timeout = args.shutdown_timeout
+    if args.ray and shutdown_timeout is not None:
+        raise ValueError(
+            "--shutdown-timeout is not read with --ray: Ray Serve stops its replicas by its "
+            "own graceful shutdown"
+        )
+    if shutdown_timeout is None:
+        shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT_S
+    check_shutdown_timeout(shutdown_timeout)
     config = engine_config(args)
     if args.ray:
         from pagedllm.entrypoints.ray_serve.cli import run_ray_serve
@@ -178,7 +195,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.port,
                 " (with token text)" if args.kv_view_text else "",
             )
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        serve(app, shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level)
     finally:  # the app's lifespan stops it too, if uvicorn got as far as starting the app
         engine.shutdown()
     return 0

@@ -26,7 +26,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.server.errors import APIError, client_closed
 from pagedllm.entrypoints.server.metrics import RequestTracker, ServerMetrics
-from pagedllm.errors import EngineOverloadedError, RequestFailedError
+from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
 
 RETRY_AFTER_S = 1
@@ -78,6 +78,8 @@ async def submit(
         )
     except EngineOverloadedError as exc:
         raise overloaded(exc) from None
+    except EngineStoppedError as exc:
+        raise shutting_down(exc) from None
     return Generation(
         stream,
         {rid: metrics.tracker(arrival) for rid in ids},
@@ -93,9 +95,18 @@ def overloaded(exc: EngineOverloadedError) -> APIError:
     return APIError(503, str(exc), code="server_overloaded", headers={"Retry-After": str(wait)})
 
 
+def shutting_down(exc: EngineStoppedError) -> APIError:
+    """The 503 of a request refused, or ended before it finished, by a shutdown."""
+    return APIError(503, str(exc), code="server_shutting_down")
+
+
 def failure(gen: Generation, exc: RequestFailedError) -> APIError:
-    """The 500 of a request the engine failed, after aborting the rest of it."""
+    """The 500 of a request the engine failed (503 when it was shut down), after
+    aborting the rest of it."""
     gen.end("error")
+    if isinstance(exc, EngineStoppedError):
+        logger.warning("request %s ended by the shutdown: %s", gen.client_id, exc)
+        return shutting_down(exc)
     logger.warning("request %s failed in the engine: %s", gen.client_id, exc)
     return APIError(500, str(exc), code="engine_error", type="server_error")
 
