@@ -247,7 +247,10 @@ def test_default_model_on_its_q4_1_blocks_answers_paris() -> None:
     layer = llm.engine.runner.model.layers[0].gate_up
     assert isinstance(layer, GGUFLinear)
     assert {p.ggml_type.name for p in layer.parts} == {"Q4_1"}
-    out = llm.generate(
-        ["The capital of France is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
-    )
+    system = "You are a helpful assistant. Answer in one short sentence."  # as `make run`
+    msgs = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
