@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_convert import write_gguf
+from hf_oracle import make_tiny_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
 from pagedllm.errors import InvalidParameterError
@@ -254,3 +256,25 @@ def test_default_model_on_its_q4_1_blocks_answers_paris() -> None:
     ]
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"])
+def test_every_family_from_f16_blocks_gives_the_exact_path_tokens(
+    arch: str, tmp_path: Path
+) -> None:
+    """F16 weights multiply fp32 inputs unquantized, so the GGUF layers compute what the
+    exact path computes: the families' rewrites (Q/K permutation, Phi-3's fused tensors,
+    Gemma's norms and embedding scale, Qwen2's q/k/v biases) must all come out the same."""
+    extra = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16} if arch == "gemma3" else {}
+    if arch == "gemma3":
+        extra["layer_types"] = ["sliding_attention"] * 5 + ["full_attention"]
+    path = write_gguf(
+        make_tiny_model(tmp_path / "hf", arch, seed=1, **extra), tmp_path / "m.gguf", "F16"
+    )
+    rng = np.random.default_rng(2)
+    vocab = load_model(str(path)).config.vocab_size
+    prompts = [rng.integers(3, vocab, size=n).tolist() for n in (4, 11, 23)]
+    want = _greedy(load_model(str(path)), prompts)
+    kept = load_model(str(path), keep_quantized=True)
+    assert isinstance(kept.weights["model.layers.0.mlp.up_proj.weight"], GGUFWeight)
+    assert _greedy(kept, prompts, quantization="gguf") == want
