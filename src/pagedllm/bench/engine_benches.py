@@ -20,13 +20,17 @@ from pagedllm.attention import build_attention_metadata
 from pagedllm.attention.backends import AttentionBackend, select_attention
 from pagedllm.bench import options
 from pagedllm.bench.baselines import load_hf_model
-from pagedllm.bench.memory_floor import read_bytes_per_second, weight_bytes_per_step
+from pagedllm.bench.memory_floor import (
+    read_bytes_per_second,
+    stored_weight_bytes_per_step,
+    weight_bytes_per_step,
+)
 from pagedllm.bench.output import Plot, median_seconds, ratio, write_outputs
 from pagedllm.bench.sweep import attention_seconds, engine_over_runner
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.engine_args import engine_options
-from pagedllm.loader import LoadedModel
+from pagedllm.loader import LoadedModel, load_model
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.factory import RealRunner
 
@@ -221,7 +225,10 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
         b: hf_decode_step_seconds(hf, prompts[b], args.steps) for b in batches if hf is not None
     }
     # The least a step can take: reading every weight once, at this machine's read speed.
-    weight_bytes = weight_bytes_per_step(loaded.config, args.quantization, args.dtype)
+    if args.quantization == "gguf":  # the file's blocks, as the layers read them
+        weight_bytes = stored_weight_bytes_per_step(load_model(args.model, keep_quantized=True))
+    else:
+        weight_bytes = weight_bytes_per_step(loaded.config, args.quantization, args.dtype)
     read_rate = read_bytes_per_second()
     floor_ms = 1000 * weight_bytes / read_rate
     rows = []

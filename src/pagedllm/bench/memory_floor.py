@@ -9,8 +9,9 @@ import time
 
 import torch
 
-from pagedllm.loader.loaded import expected_shapes
+from pagedllm.loader.loaded import LoadedModel, expected_shapes
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.gguf_linear import GGUFWeight
 
 BUFFER_BYTES = 512 << 20  # far beyond any cache
 
@@ -33,6 +34,20 @@ def weight_bytes_per_step(config: ModelConfig, quantization: str | None, dtype: 
             total += out * inp + 4 * (out + inp) if quantization == "int8" else out * inp * width
         else:
             total += 4 * shape[0]
+    return total
+
+
+def stored_weight_bytes_per_step(loaded: LoadedModel) -> int:
+    """`weight_bytes_per_step` for a GGUF loaded with its blocks kept (quantization="gguf"):
+    each linear layer's blocks as the file stores them, the norms' vectors in fp32."""
+    weights = dict(loaded.weights)
+    if loaded.config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    total = 0
+    for name, weight in weights.items():
+        if name == "model.embed_tokens.weight":
+            continue
+        total += weight.blocks.numel() if isinstance(weight, GGUFWeight) else 4 * weight.numel()
     return total
 
 

@@ -61,7 +61,9 @@ class EngineConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"  # half precision holds twice the tokens in the same memory
     attention_backend: str = "auto"
-    quantization: str | None = None  # "int8": W8A8 linear layers (CPU, float32 model)
+    # "int8": W8A8 linear layers; "gguf": a GGUF's linear weights computed on in their blocks
+    # (CPU, float32 model)
+    quantization: str | None = None
     device: str = "cpu"
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tp_runner.py)
     enable_prefix_caching: bool = True

@@ -64,7 +64,8 @@ OPTIONS = (
     ),
     _Option(
         "quantization",
-        "int8: int8 weights and activations in the linear layers (CPU; default: none, exact)",
+        "int8: int8 weights and activations in the linear layers; gguf: a GGUF file's "
+        "linear weights kept in their quantized blocks (CPU; default: none, exact)",
         choices=QUANTIZATIONS,
     ),
     _Option("device", "torch device: cpu, cuda, cuda:1, ..."),

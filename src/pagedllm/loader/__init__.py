@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import InvalidParameterError, ModelLoadError
 from pagedllm.loader.loaded import LoadedModel
 from pagedllm.loader.packaged_models import (
     PACKAGED_MODELS,
@@ -38,9 +38,10 @@ def _is_gguf(path: str) -> bool:
         return False
 
 
-def load_model(path: str | None = None) -> LoadedModel:
+def load_model(path: str | None = None, keep_quantized: bool = False) -> LoadedModel:
     """Load the default model (None), a packaged model by name, a `.gguf` file, or a
-    Hugging Face model directory."""
+    Hugging Face model directory. `keep_quantized` (quantization="gguf"): a GGUF's linear
+    weights stay its blocks; a Hugging Face directory is refused."""
     path = resolve_model_path(path)
     if not os.path.exists(path):
         names = ", ".join(PACKAGED_MODELS)
@@ -50,11 +51,17 @@ def load_model(path: str | None = None) -> LoadedModel:
     if os.path.isdir(path):
         from pagedllm.loader.hf_loader import load_hf_dir
 
+        if keep_quantized:
+            raise InvalidParameterError(
+                "quantization",
+                f"quantization='gguf' computes on a GGUF file's blocks; {path} is a Hugging "
+                "Face directory (use quantization none or int8)",
+            )
         return load_hf_dir(path)
     if _is_gguf(path):
         from pagedllm.loader.gguf_loader import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, keep_quantized)
     raise ModelLoadError(
         f"model path {path} is neither a .gguf file nor a Hugging Face model directory"
     )

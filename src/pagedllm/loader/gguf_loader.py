@@ -4,6 +4,12 @@ Every tensor type `gguf.quants` dequantizes loads (F32, F16, BF16, Q4_0/1, Q5_0/
 K-quants Q2_K..Q6_K, ...), to float32. Families: see gguf_config.GGUF_ARCHITECTURES; names
 and the converter's rewrites (Q/K permutation, Gemma's 1 + w norms, Phi-3's fused tensors)
 are undone by gguf_tensors, so the weights equal the original checkpoint's.
+
+With `keep_quantized` (`quantization="gguf"`), the linear layers' weights and the embedding
+table are not dequantized: each stays a `GGUFWeight`, a uint8 view of its blocks in the
+memory map. Of the converter's changes, only the Q/K row permutation touches them: whole
+rows of blocks are permuted back, one tensor at a time (a copy of that tensor); fused
+tensors split into row ranges of the map.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import gguf
 import numpy as np
 import torch
 
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import InvalidParameterError, ModelLoadError
 from pagedllm.loader.gguf_config import GGUF_ARCHITECTURES, gguf_config
 from pagedllm.loader.gguf_metadata import GGUFMetadata, GGUFTensor, read_gguf
 from pagedllm.loader.gguf_tensors import hf_name, hf_tensors, unpermute_rows
 from pagedllm.loader.loaded import LoadedModel, check_weights
 from pagedllm.loader.tokenizer import load_gguf_tokenizer
+from pagedllm.model.gguf_linear import STORED_TYPES, GGUFWeight
 
 __all__ = ["GGUF_ARCHITECTURES", "hf_name", "load_gguf", "unpermute_rows"]
 
@@ -45,7 +52,25 @@ def _dequantize(tensor: GGUFTensor, path: str) -> np.ndarray:
     return array
 
 
-def load_gguf(path: str) -> LoadedModel:
+def _kept_as_blocks(name: str) -> bool:
+    """Whether the weight `name` (Hugging Face) is a linear layer's or the embedding table."""
+    return name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
+
+
+def _blocks(tensor: GGUFTensor, path: str) -> np.ndarray:
+    """One GGUF tensor's raw bytes [out, bytes per row], refused unless a kernel takes it."""
+    if tensor.tensor_type not in STORED_TYPES or len(tensor.shape) != 2:
+        kind = getattr(tensor.tensor_type, "name", tensor.tensor_type)
+        names = ", ".join(t.name for t in STORED_TYPES)
+        raise InvalidParameterError(
+            "quantization",
+            f"quantization='gguf' computes on {names} weights; {path}: tensor "
+            f"{tensor.name!r} is {kind} (use quantization none or int8 for this file)",
+        )
+    return tensor.data
+
+
+def load_gguf(path: str, keep_quantized: bool = False) -> LoadedModel:
     """Load a GGUF file (see the module docstring)."""
     path = os.path.abspath(path)
     values, tensors = read_gguf(path)
@@ -58,11 +83,16 @@ def load_gguf(path: str) -> LoadedModel:
                 f"{path}: {what} ({name}) is not supported in GGUF files; "
                 "load the Hugging Face checkpoint"
             )
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | GGUFWeight] = {}
     for tensor in tensors:
         name = hf_name(tensor.name, config.sandwich_norms)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}")
+        if keep_quantized and _kept_as_blocks(name):
+            width = int(tensor.shape[0])
+            for hf, rows in hf_tensors(name, _blocks(tensor, path), config):
+                weights[hf] = GGUFWeight(torch.from_numpy(rows), tensor.tensor_type, width)
+            continue
         for hf, array in hf_tensors(name, _dequantize(tensor, path), config):
             weights[hf] = torch.from_numpy(array)
     check_weights(config, weights, path)
@@ -77,4 +107,5 @@ def load_gguf(path: str) -> LoadedModel:
         source=path,
         hf_dir=folder,
         gguf_file=file_name,
+        kept_quantized=keep_quantized,
     )

@@ -1,6 +1,7 @@
 """Reading a GGUF file's header: its key/values and where each tensor's bytes lie.
 
-A plain parser over a read-only memory map. `gguf.GGUFReader` builds numpy views for every
+A plain parser over a copy-on-write memory map (the file is never written; tensors viewing
+it can be handed to torch). `gguf.GGUFReader` builds numpy views for every
 item of every array (three per token of a 262k-token vocabulary: ~10 s); this one decodes
 numeric arrays in one `frombuffer` and skips long string arrays unless asked for them
 (0.1 s), then hands each tensor's bytes to `gguf.quants` as the reader would.
@@ -100,7 +101,7 @@ def _tensor_bytes(kind: gguf.GGMLQuantizationType, dims: tuple[int, ...]) -> tup
 def read_gguf(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """The metadata and tensors of the GGUF file at `path` (ModelLoadError if unreadable)."""
     try:
-        blob = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+        blob = np.memmap(path, dtype=np.uint8, mode="c").view(np.ndarray)
         cur = _Cursor(blob)
         if bytes(blob[:4]) != b"GGUF":
             raise ValueError("no GGUF magic number")

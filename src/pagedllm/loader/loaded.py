@@ -1,7 +1,9 @@
 """`LoadedModel`, what every loader returns, and the check that its weights fit its config.
 
 Weights use Hugging Face Llama names (`model.layers.{i}.self_attn.q_proj.weight`, ...) as
-float32 CPU tensors; `check_weights` turns a missing or misshapen tensor into a ModelLoadError.
+float32 CPU tensors, or, for a GGUF loaded with its blocks kept (`kept_quantized`), the
+linear layers' and the embedding's as `GGUFWeight`s; `check_weights` turns a missing or
+misshapen tensor into a ModelLoadError.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.gguf_linear import GGUFWeight
 from pagedllm.model.weights import layer_norm_names
 
 if TYPE_CHECKING:
@@ -24,11 +27,12 @@ class LoadedModel:
     """A model's config, weights and tokenizer, plus how to load the same thing in transformers."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | GGUFWeight]
     tokenizer: PreTrainedTokenizerBase | None
     source: str
     hf_dir: str
     gguf_file: str | None = None
+    kept_quantized: bool = False  # GGUF blocks kept (quantization="gguf"), not dequantized
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -63,7 +67,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
+def check_weights(
+    config: ModelConfig, weights: dict[str, torch.Tensor | GGUFWeight], source: str
+) -> None:
     """Raise ModelLoadError unless every expected weight is present with the expected shape."""
     for name, shape in expected_shapes(config).items():
         tensor = weights.get(name)

@@ -11,7 +11,9 @@ states; `compute_logits` projects only the rows that need logits. The attention 
 plans the step once (`prepare`) and every layer reads that plan, with its own window.
 Q/K/V and gate/up projections are fused into one matmul each. Under tensor parallelism
 the model is built from one rank's share (model/sharding.py) and a ParallelContext sums
-the shares.
+the shares. The kind of linear layer is an option: "dense" (float weights) or "gguf" (a
+GGUF file's blocks as stored, model/gguf_linear.py; the embedding table too, its rows
+dequantized as they are looked up).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pagedllm.attention.metadata import AttentionMetadata, GroupedAttentionMetad
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.fused_layer import FusedInt8Layer
+from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight, embed_rows
 from pagedllm.model.layer_ops import TorchLayerOps
 from pagedllm.model.linear import DenseLinear, quantize_linears
 from pagedllm.model.parallel import ParallelContext
@@ -36,6 +39,17 @@ from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.weights import load_decoder_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+LINEAR_KINDS = ("dense", "gguf")
+
+
+def make_linear(
+    kind: str, in_features: int, out_features: int, bias: bool, ops: Any, kernels: Any
+) -> DenseLinear | GGUFLinear:
+    """An empty linear layer of `kind`, filled by load_weights. `kernels`: the compiled
+    kernels' namespace GGUF layers call (None: pure torch)."""
+    if kind == "gguf":
+        return GGUFLinear(in_features, out_features, bias, kernels)
+    return DenseLinear(in_features, out_features, bias, ops)
 
 
 class RMSNorm(nn.Module):
@@ -60,6 +74,8 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         ops: TorchLayerOps,
         parallel: ParallelContext | None = None,
+        linear: str = "dense",
+        kernels: Any = None,
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -76,10 +92,12 @@ class DecoderLayer(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if cfg.qk_norm else None
         self.attn_out_norm = RMSNorm(hidden, eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(hidden, eps) if cfg.sandwich_norms else None
-        self.qkv = DenseLinear(hidden, q_size + 2 * kv_size, cfg.attention_bias, ops)
-        self.o_proj = DenseLinear(q_size, hidden, ops=ops)
-        self.gate_up = DenseLinear(hidden, 2 * inter, ops=ops)
-        self.down = DenseLinear(inter, hidden, ops=ops)
+        self.qkv = make_linear(
+            linear, hidden, q_size + 2 * kv_size, cfg.attention_bias, ops, kernels
+        )
+        self.o_proj = make_linear(linear, q_size, hidden, False, ops, kernels)
+        self.gate_up = make_linear(linear, hidden, 2 * inter, False, ops, kernels)
+        self.down = make_linear(linear, inter, hidden, False, ops, kernels)
         self.gelu = cfg.mlp_activation == "gelu_tanh"
         self.window = cfg.layer_window(index)  # tokens, or None: full attention
         self.attention = attention
@@ -153,12 +171,20 @@ class LlamaForCausalLM(nn.Module):
         attention: AttentionBackend | None = None,
         ops: TorchLayerOps | None = None,
         parallel: ParallelContext | None = None,
+        linear: str = "dense",
+        kernels: Any = None,
     ) -> None:
         """`attention` defaults to the reference backend, `ops` (the element-wise work)
-        to pure torch; `parallel`, when given, is this rank's group (`config` its share)."""
+        to pure torch; `parallel`, when given, is this rank's group (`config` its share).
+        `linear`: the kind of linear layer (LINEAR_KINDS); `kernels`: the compiled kernels'
+        namespace the "gguf" layers call (None: pure torch)."""
         super().__init__()
         if config.num_hidden_layers < 1:
             raise ValueError(f"a model needs at least one layer, got {config.num_hidden_layers}")
+        if linear not in LINEAR_KINDS:
+            raise ValueError(f"linear must be one of {LINEAR_KINDS}, got {linear!r}")
+        if linear == "gguf" and parallel is not None:
+            raise ValueError("GGUF linear layers run on one device, not tensor parallel")
         self.config = config
         ops = ops or TorchLayerOps()
         if attention is None:
@@ -172,20 +198,24 @@ class LlamaForCausalLM(nn.Module):
                 config, rope_theta=config.local_rope_theta, rope_scaling=None
             )
             self.local_rotary = RotaryEmbedding(local)
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Parameter | GGUFWeight | None = (
+            _param(config.vocab_size, config.hidden_size) if linear == "dense" else None
+        )  # GGUF: the file's table, set at load
         # A float32 scalar, cast to the model's dtype with the model (as transformers does).
         scale = torch.tensor(config.embedding_scale or 1.0, dtype=torch.float32)
         self.register_buffer("embed_scale", scale, persistent=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, attention, self._rotary_of(i), ops, parallel)
+            DecoderLayer(config, i, attention, self._rotary_of(i), ops, parallel, linear, kernels)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ops = ops
         self.parallel = parallel
-        self.lm_head = DenseLinear(config.hidden_size, config.vocab_size, ops=ops)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens  # one tensor, two uses
+        self.lm_head = make_linear(
+            linear, config.hidden_size, config.vocab_size, False, ops, kernels
+        )
+        if config.tie_word_embeddings and isinstance(self.lm_head, DenseLinear):
+            self.lm_head.weight = self.embed_tokens  # one tensor, two uses (GGUF: at load)
 
     def _rotary_of(self, layer: int) -> RotaryEmbedding:
         local = self.local_rotary is not None and self.config.layer_window(layer) is not None
@@ -201,8 +231,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """`attn_metadata`: one for every layer, or one per KV layer group (each layer
         reads its group's block tables)."""
-        embed = F.embedding if self.parallel is None else self.parallel.embed
-        hidden, residual = embed(input_ids, self.embed_tokens), None
+        table = self.embed_tokens
+        if isinstance(table, GGUFWeight):
+            hidden = embed_rows(input_ids, table)
+        else:
+            embed = F.embedding if self.parallel is None else self.parallel.embed
+            hidden = embed(input_ids, table)
+        residual = None
         if self.config.embedding_scale is not None:
             hidden = hidden * self.embed_scale.to(hidden.dtype)
         grouped = GroupedAttentionMetadata.of(attn_metadata, len(self.layers))

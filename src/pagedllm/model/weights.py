@@ -4,7 +4,8 @@ Q/K/V and gate/up are fused into one matrix each. Where the checkpoint names a n
 differs by family: Llama's `post_attention_layernorm` is the norm before the MLP, while
 Gemma 3 ("sandwich" norms) calls the norm of the attention output so and names the one
 before the MLP `pre_feedforward_layernorm`. Gemma's (1 + w) norms get their offset added
-to the weight here, so every norm computes w * x / rms(x).
+to the weight here, so every norm computes w * x / rms(x). GGUF linear layers
+(model/gguf_linear.py) take their parts' blocks as they are, unfused: no copy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight
 
 
 def layer_norm_names(sandwich: bool) -> dict[str, str]:
@@ -30,7 +33,18 @@ def layer_norm_names(sandwich: bool) -> dict[str, str]:
     }
 
 
-def load_decoder_weights(model: Any, weights: Mapping[str, torch.Tensor]) -> None:
+def _load_linear(layer: Any, parts: list[Any]) -> None:
+    """Fill a linear layer with the row-stacked `parts`: float tensors copied into a dense
+    layer, GGUF weights kept as they are by a GGUF layer."""
+    if isinstance(layer, GGUFLinear):
+        layer.load(parts)
+        return
+    if any(isinstance(p, GGUFWeight) for p in parts):
+        raise ValueError("weights kept as GGUF blocks need the model's linear='gguf'")
+    layer.weight.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+
+
+def load_decoder_weights(model: Any, weights: Mapping[str, Any]) -> None:
     """Copy `weights` (Hugging Face names) into `model`, a LlamaForCausalLM (not imported:
     it imports this module); a missing weight is a ValueError."""
     cfg = model.config
@@ -44,10 +58,15 @@ def load_decoder_weights(model: Any, weights: Mapping[str, torch.Tensor]) -> Non
         return take(name) + cfg.norm_offset if cfg.norm_offset else take(name)
 
     with torch.no_grad():
-        model.embed_tokens.copy_(take("model.embed_tokens.weight"))
+        embed = take("model.embed_tokens.weight")
+        if isinstance(model.lm_head, GGUFLinear):
+            model.embed_tokens = embed
+        else:
+            model.embed_tokens.copy_(embed)
         model.norm.weight.copy_(norm("model.norm.weight"))
-        if not cfg.tie_word_embeddings:
-            model.lm_head.weight.copy_(take("lm_head.weight"))
+        if isinstance(model.lm_head, GGUFLinear) or not cfg.tie_word_embeddings:
+            lm_head = embed if cfg.tie_word_embeddings else take("lm_head.weight")
+            _load_linear(model.lm_head, [lm_head])
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -56,14 +75,12 @@ def load_decoder_weights(model: Any, weights: Mapping[str, torch.Tensor]) -> Non
             if layer.q_norm is not None and layer.k_norm is not None:
                 layer.q_norm.weight.copy_(norm(a + "q_norm.weight"))
                 layer.k_norm.weight.copy_(norm(a + "k_norm.weight"))
-            layer.qkv.weight.copy_(torch.cat([take(f"{a}{n}_proj.weight") for n in "qkv"], dim=0))
+            _load_linear(layer.qkv, [take(f"{a}{n}_proj.weight") for n in "qkv"])
             if layer.qkv.bias is not None:
                 layer.qkv.bias.copy_(torch.cat([take(f"{a}{n}_proj.bias") for n in "qkv"], dim=0))
-            layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
-            layer.gate_up.weight.copy_(
-                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
-            )
-            layer.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+            _load_linear(layer.o_proj, [take(a + "o_proj.weight")])
+            _load_linear(layer.gate_up, [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+            _load_linear(layer.down, [take(p + "mlp.down_proj.weight")])
 
 
 def split_fused_weights(

@@ -1,7 +1,8 @@
 """Which model runner an engine gets from its runner options: the single-device
 TorchModelRunner, or the TensorParallelRunner for `tensor_parallel_size > 1`. A
 TorchModelRunner gets the draft model's own runner when the options name a
-speculative_model.
+speculative_model. With quantization="gguf" the model is loaded with its GGUF blocks
+kept (a model given already loaded the other way is loaded again).
 
 Under a launcher (torchrun), the processes of ranks other than 0 never build an engine:
 they serve the driver from here and exit (worker/tp_worker.py).
@@ -63,10 +64,10 @@ def build_runner(
         from pagedllm.worker.tp_worker import serve_if_worker_rank
 
         serve_if_worker_rank(backend_for(options.device, options.tensor_parallel_size))
-        loaded = loaded if loaded is not None else load_model(model)
+        loaded = _loaded_for(options, model, loaded)
         runner = TensorParallelRunner(options, loaded, profile_attention=profile_attention)
         return runner, loaded.tokenizer
-    loaded = loaded if loaded is not None else load_model(model)
+    loaded = _loaded_for(options, model, loaded)
     draft = None
     if options.speculative_model is not None:
         draft = TorchModelRunner(
@@ -76,11 +77,22 @@ def build_runner(
     return runner, loaded.tokenizer
 
 
+def _loaded_for(
+    options: RunnerOptions, path: str | None, loaded: LoadedModel | None
+) -> LoadedModel:
+    """`loaded`, or the model at `path`, loaded as `options.quantization` computes on it."""
+    keep = options.quantization == "gguf"
+    if loaded is not None and loaded.kept_quantized == keep:
+        return loaded
+    return load_model(path if loaded is None else loaded.source, keep_quantized=keep)
+
+
 def _draft_model(path: str, target: LoadedModel) -> LoadedModel:
     """The draft model at `path`: the target's own weights when it names the same file
     (a self-draft, e.g. quantized; each model copies the weights it computes with)."""
     try:
-        if os.path.realpath(resolve_model_path(path)) == os.path.realpath(target.source):
+        same = os.path.realpath(resolve_model_path(path)) == os.path.realpath(target.source)
+        if same and not target.kept_quantized:
             return target
         return load_model(path)
     except ModelLoadError as exc:  # say which of the two models it was

@@ -87,7 +87,14 @@ class TorchModelRunner:
             str(self.kv_dtype).removeprefix("torch."),
         )
         ops = self._layer_ops(options.attention_backend)
-        model = LlamaForCausalLM(cfg, self.attention, ops, parallel)
+        gguf = options.quantization == "gguf"
+        if gguf != loaded.kept_quantized:
+            raise ValueError(
+                "quantization='gguf' and a GGUF loaded with its blocks kept go together"
+            )
+        kernels = self._gguf_kernels() if gguf else None
+        linear = "gguf" if gguf else "dense"
+        model = LlamaForCausalLM(cfg, self.attention, ops, parallel, linear, kernels)
         model.load_weights(loaded.weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if options.quantization == "int8":
@@ -284,6 +291,14 @@ class TorchModelRunner:
             return CompiledLayerOps(load_cpu_ops())
         except KernelUnavailableError:  # said once already, by the attention backend's choice
             return TorchLayerOps()
+
+    def _gguf_kernels(self) -> Any:
+        """The compiled kernels GGUF linear layers call, or None: pure torch."""
+        try:
+            return load_cpu_ops()
+        except KernelUnavailableError as exc:
+            logger.warning("GGUF linear layers in pure torch (much slower): %s", exc)
+            return None
 
     def _quantize_int8(self, tokenizer: Any) -> None:
         """Int8 linear layers, smoothed on the calibration text (when there is a tokenizer

@@ -15,7 +15,10 @@ from pagedllm.errors import InvalidParameterError
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
-QUANTIZATIONS = ("int8",)  # None: the model's own weights, exact to the reference
+# None: the model's own weights, exact to the reference; "int8": W8A8 linear layers;
+# "gguf": a GGUF file's linear weights kept in their blocks, computed on as stored.
+QUANTIZATIONS = ("int8", "gguf")
+DRAFT_QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class RunnerOptions:
     seed: int = 0  # of the sampler's generator (seeded samples have their own)
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
-    quantization: str | None = None  # "int8": W8A8 linear layers (CPU, float32 model)
+    quantization: str | None = None  # "int8" or "gguf" (QUANTIZATIONS; CPU, float32 model)
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tp_runner.py)
     # Speculative decoding with a draft model (worker/draft_model.py): the draft's path
     # (or packaged name), None: no draft; and how its linear layers compute.
@@ -38,7 +41,7 @@ class RunnerOptions:
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("attention_backend", ATTENTION_BACKENDS),
             ("quantization", (None, *QUANTIZATIONS)),
-            ("speculative_quantization", (None, *QUANTIZATIONS)),
+            ("speculative_quantization", (None, *DRAFT_QUANTIZATIONS)),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -57,6 +60,12 @@ class RunnerOptions:
                 "quantization",
                 f"quantization={self.quantization!r} runs on the CPU with dtype float32; got "
                 f"device={self.device!r}, dtype={self.dtype!r}",
+            )
+        if self.quantization == "gguf" and size > 1:
+            raise InvalidParameterError(
+                "quantization",
+                "quantization='gguf' runs on one device: use tensor_parallel_size 1 "
+                f"(got {size}), or quantization none",
             )
         self._check_draft()
         if size > 1 and self.device not in ("cpu", "cuda"):
