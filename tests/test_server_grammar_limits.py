@@ -139,3 +139,17 @@ def test_the_engine_thread_never_compiles(chat_model_dir) -> None:
         server.assert_pool_whole()
     finally:
         server.close()
+
+
+def test_a_request_the_backlog_refuses_is_refused_before_its_grammar(server: LiveServer) -> None:
+    """With no room in the backlog (max_waiting 0: every request waits beyond it), a
+    request with a grammar gets its 503 before the grammar compiles."""
+    before = compiles(server)
+    server.engine.max_waiting = 0
+    try:
+        r = post(server, "completions", max_tokens=4, guided_regex="[gh]{3}[ij]")
+    finally:
+        server.engine.max_waiting = None
+    check_error(r, 503, code="server_overloaded")
+    assert compiles(server) == before
+    server.assert_pool_whole()

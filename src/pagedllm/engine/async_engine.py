@@ -245,25 +245,21 @@ class AsyncLLMEngine:
         Pass token ids to keep tokenization off the engine thread: a text prompt is
         tokenized on it, and every running request waits meanwhile. Grammars are
         compiled first, off it (`_grammars`), after the checks that cost next to nothing
-        (token ids, context, `n`, KV fit): a request that could never run is refused
-        before its grammar compiles."""
+        (token ids, context, `n`, KV fit, draining, the backlog as of the last step): a
+        request that could never run, or that would be refused now, is refused before its
+        grammar compiles."""
         if not requests:
             raise ValueError("add_requests needs at least one request")
         for _, prompt, params in requests:
             if not isinstance(prompt, str):  # text is checked once tokenized, at add
                 self.engine.check_request(prompt, params)
+        self._check_room(self.snapshot.backlog)  # as of the last step: before any compile
         grammars = await self._grammars([params for _, _, params in requests], grammar_param)
         stream = RequestStream(self, [request_id for request_id, _, _ in requests])
 
         def add() -> None:
-            if self._draining:
-                raise EngineStoppedError("the engine is shutting down: it takes no new request")
+            self._check_room(self.engine.snapshot().backlog)
             limit = self.max_waiting
-            if limit is not None and (backlog := self.engine.snapshot().backlog) >= limit:
-                raise EngineOverloadedError(
-                    f"the server is overloaded: {backlog} requests are waiting beyond what "
-                    f"the engine can admit (max_waiting={limit}); retry later"
-                )
             added: list[str] = []
             try:
                 for (request_id, prompt, params), grammar in zip(requests, grammars, strict=True):
@@ -290,6 +286,18 @@ class AsyncLLMEngine:
             stream.abort()  # they may have been added after all
             raise
         return stream
+
+    def _check_room(self, backlog: int) -> None:
+        """EngineStoppedError while draining; EngineOverloadedError if `backlog` requests
+        already wait beyond what the engine can admit and that is `max_waiting` or more."""
+        if self._draining:
+            raise EngineStoppedError("the engine is shutting down: it takes no new request")
+        limit = self.max_waiting
+        if limit is not None and backlog >= limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {backlog} requests are waiting beyond what "
+                f"the engine can admit (max_waiting={limit}); retry later"
+            )
 
     async def _grammars(self, params: Sequence[SamplingParams], param: str | None) -> list[Any]:
         """Each request's compiled grammar (None without structured output), compiled on
