@@ -7,6 +7,10 @@ requests that could never run whatever their grammar."""
 from __future__ import annotations
 
 import json
+import random
+import string
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -152,4 +156,31 @@ def test_a_request_the_backlog_refuses_is_refused_before_its_grammar(server: Liv
         server.engine.max_waiting = None
     check_error(r, 503, code="server_overloaded")
     assert compiles(server) == before
+    server.assert_pool_whole()
+
+
+def test_health_and_plain_requests_are_served_while_every_compiler_is_busy(
+    server: LiveServer,
+) -> None:
+    """Two grammars that take seconds to compile hold both compile workers: meanwhile
+    /health and a request without a grammar are answered, before either compile ends."""
+    rng = random.Random(5)
+    slow = [
+        ["".join(rng.choices(string.ascii_lowercase, k=10)) for _ in range(60_000)]
+        for _ in range(2)
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        floods = [pool.submit(post, server, "completions", guided_choice=c) for c in slow]
+        compiler = server.engine.engine.grammars._compiler
+        deadline = time.monotonic() + 60  # a hang guard
+        while compiler is None or len(compiler.pool._done_by) < 2:
+            assert time.monotonic() < deadline, "the compiles never started"
+            time.sleep(0.01)
+            compiler = server.engine.engine.grammars._compiler
+        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+        r = post(server, "completions", max_tokens=4)
+        assert r.status_code == 200, r.text
+        assert not any(f.done() for f in floods)  # both compiles were still running
+        for f in floods:
+            assert f.result().status_code in (200, 400)
     server.assert_pool_whole()
