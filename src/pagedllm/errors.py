@@ -7,7 +7,8 @@ request (`RequestFailedError`; `EngineStoppedError` when the engine shuts down),
 engine's admission (`EngineOverloadedError`), the block pool (`NoFreeBlocksError`), the
 compiled kernels (`KernelUnavailableError`), a tensor-parallel group
 (`TensorParallelError`), a structured-output grammar that rejected a drawn token
-(`GrammarError`). Every error type of the engine lives here; the HTTP server's
+(`GrammarError`), a model that would not fit in memory (`InsufficientMemoryError`,
+raised before it loads). Every error type of the engine lives here; the HTTP server's
 `APIError` is a response, not an error of the engine. Plain Python: every layer may
 import it.
 """
@@ -75,3 +76,9 @@ class TensorParallelError(RuntimeError):
 class GrammarError(RuntimeError):
     """A request's grammar rejected the token drawn for it, or its matcher failed; the
     request fails alone."""
+
+
+class InsufficientMemoryError(InvalidParameterError):
+    """The model, its KV pool and working buffers would need more memory than the machine
+    has available; raised before any weight loads. `param` names what to change
+    ("kv_cache_memory" when the model fits without its KV pool, else "model")."""

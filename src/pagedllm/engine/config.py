@@ -166,6 +166,11 @@ class EngineConfig:
             self.speculative_quantization,
         )
 
+    def kv_blocks(self, block_bytes: int) -> int:
+        """The KV pool's blocks for blocks of `block_bytes`: num_kv_blocks, else as many as
+        kv_cache_memory holds (at least one)."""
+        return self.num_kv_blocks or max(1, parse_size(self.kv_cache_memory) // block_bytes)
+
     def pool_size(
         self,
         block_bytes: int,
@@ -176,7 +181,7 @@ class EngineConfig:
         model of `max_positions`: a request may grow to every block but the watermark.
         `blocks_for(n)`: the blocks one sequence of n tokens holds at most (default: one
         per `block_size` tokens; fewer with sliding-window layer groups)."""
-        num_blocks = self.num_kv_blocks or max(1, parse_size(self.kv_cache_memory) // block_bytes)
+        num_blocks = self.kv_blocks(block_bytes)
         watermark_blocks = min(int(self.watermark * num_blocks), num_blocks - 1)
         usable = num_blocks - watermark_blocks
         if blocks_for is None:

@@ -47,6 +47,7 @@ from pagedllm.engine.grammars import Grammars
 from pagedllm.engine.kv_event_access import CurveKeys, who_may_subscribe
 from pagedllm.engine.kv_recorder import KVRecorder, Record, Sink, engine_snapshot
 from pagedllm.engine.listeners import Listeners, StepListener
+from pagedllm.engine.memory_check import check_memory
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
 from pagedllm.engine.prompts import check_token_ids, encode_text
@@ -88,6 +89,8 @@ class LLMEngine:
             # Imported here: an engine over a fake runner never loads torch.
             from pagedllm.worker.factory import build_runner
 
+            if loaded is None:
+                check_memory(config)  # before any weight is read
             runner, tokenizer = build_runner(config.runner_options, config.model, loaded)
         self.runner = runner
         self.tokenizer = tokenizer

@@ -52,7 +52,7 @@ def _dequantize(tensor: GGUFTensor, path: str) -> np.ndarray:
     return array
 
 
-def _kept_as_blocks(name: str) -> bool:
+def kept_as_blocks(name: str) -> bool:
     """Whether the weight `name` (Hugging Face) is a linear layer's or the embedding table."""
     return name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
 
@@ -88,7 +88,7 @@ def load_gguf(path: str, keep_quantized: bool = False) -> LoadedModel:
         name = hf_name(tensor.name, config.sandwich_norms)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}")
-        if keep_quantized and _kept_as_blocks(name):
+        if keep_quantized and kept_as_blocks(name):
             width = int(tensor.shape[0])
             for hf, rows in hf_tensors(name, _blocks(tensor, path), config):
                 weights[hf] = GGUFWeight(torch.from_numpy(rows), tensor.tensor_type, width)

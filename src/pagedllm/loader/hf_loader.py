@@ -73,7 +73,7 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def _hf_weight_name(name: str, prefixed: bool) -> str | None:
+def hf_weight_name(name: str, prefixed: bool) -> str | None:
     """Normalize a checkpoint key; None for entries that are not weights."""
     if name.endswith("rotary_emb.inv_freq"):
         return None
@@ -96,7 +96,7 @@ def load_hf_weights(folder: str) -> dict[str, torch.Tensor]:
     prefixed = any(k.startswith("model.") for k in raw)
     weights: dict[str, torch.Tensor] = {}
     for key, tensor in raw.items():
-        name = _hf_weight_name(key, prefixed)
+        name = hf_weight_name(key, prefixed)
         if name is not None:
             weights[name] = tensor if tensor.dtype == torch.float32 else tensor.float()
     return weights
