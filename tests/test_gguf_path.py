@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -29,9 +28,8 @@ from pagedllm.loader import LoadedModel, load_model
 from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight, embed_rows, quantized_activations
 from pagedllm.worker.factory import build_runner
 from pagedllm.worker.options import RunnerOptions
+from tiny_gguf import HIDDEN, LAYERS, VOCAB, write_tiny_llama_gguf
 
-HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 2, 96
-HEAD_DIM = HIDDEN // HEADS
 # Per layer: the matrices' types (q/k/v mixed, gate/up one type).
 KINDS = {
     "attn_q": "Q8_0",
@@ -42,63 +40,15 @@ KINDS = {
     "ffn_up": "Q4_1",
     "ffn_down": "Q8_0",
 }
-SHAPES = {
-    "attn_q": (HIDDEN, HIDDEN),
-    "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-    "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
-    "attn_output": (HIDDEN, HIDDEN),
-    "ffn_gate": (INTER, HIDDEN),
-    "ffn_up": (INTER, HIDDEN),
-    "ffn_down": (HIDDEN, INTER),
-}
 COMPILED = pytest.param(
     "compiled", marks=pytest.mark.skipif(bool(missing_cpu_features()), reason="no kernels")
 )
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute` of Q/K rows."""
-    rows = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-    return rows.swapaxes(1, 2).reshape(w.shape)
-
-
-def write_model(path: Path, kinds: dict[str, str] = KINDS) -> None:
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
-    writer.add_block_count(LAYERS)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(HEAD_DIM)
-
-    def matrix(name: str, shape: tuple[int, int], kind: str) -> None:
-        w = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = _llama_cpp_permute(w, HEADS if "attn_q" in name else KV_HEADS)
-        qtype = gguf.GGMLQuantizationType[kind]
-        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-
-    matrix("token_embd.weight", (VOCAB, HIDDEN), "Q8_0")  # tied: also the output layer
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    for i in range(LAYERS):
-        for norm in ("attn_norm", "ffn_norm"):
-            values = rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32)
-            writer.add_tensor(f"blk.{i}.{norm}.weight", values)
-        for part, shape in SHAPES.items():
-            matrix(f"blk.{i}.{part}.weight", shape, kinds[part])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gguf_path") / "tiny.gguf"
-    write_model(path)
+    write_tiny_llama_gguf(path, KINDS, context_length=256)
     return path
 
 
@@ -222,7 +172,7 @@ def test_refusals(tmp_path: Path, tiny_llama_dir: Path) -> None:
         LLM(model=str(tiny_llama_dir), quantization="gguf")
     assert err.value.param == "quantization"
     odd = tmp_path / "q5_1.gguf"
-    write_model(odd, {**KINDS, "ffn_down": "Q5_1"})
+    write_tiny_llama_gguf(odd, {**KINDS, "ffn_down": "Q5_1"}, context_length=256)
     with pytest.raises(InvalidParameterError, match="Q5_1") as err:
         LLM(model=str(odd), quantization="gguf")
     assert err.value.param == "quantization"

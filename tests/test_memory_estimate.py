@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -29,48 +28,23 @@ from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight
 from pagedllm.model.linear import Int8Linear
 from pagedllm.worker.model_runner import TorchModelRunner
 from pagedllm.worker.options import RunnerOptions
+from tiny_gguf import write_tiny_llama_gguf
 
-HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 2, 96
 KINDS = {
-    "attn_q": ("Q8_0", (HIDDEN, HIDDEN)),
-    "attn_k": ("Q4_0", (KV_HEADS * HIDDEN // HEADS, HIDDEN)),
-    "attn_v": ("Q8_0", (KV_HEADS * HIDDEN // HEADS, HIDDEN)),
-    "attn_output": ("Q4_0", (HIDDEN, HIDDEN)),
-    "ffn_gate": ("Q8_0", (INTER, HIDDEN)),
-    "ffn_up": ("Q8_0", (INTER, HIDDEN)),
-    "ffn_down": ("Q4_0", (HIDDEN, INTER)),
+    "attn_q": "Q8_0",
+    "attn_k": "Q4_0",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_0",
+    "ffn_gate": "Q8_0",
+    "ffn_up": "Q8_0",
+    "ffn_down": "Q4_0",
 }
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("memory") / "tiny.gguf"
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(128)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
-    writer.add_block_count(LAYERS)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-
-    def matrix(name: str, shape: tuple[int, int], kind: str) -> None:
-        w = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
-        qtype = gguf.GGMLQuantizationType[kind]
-        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-
-    matrix("token_embd.weight", (VOCAB, HIDDEN), "Q8_0")  # tied: also the output layer
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    for i in range(LAYERS):
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(HIDDEN, dtype=np.float32))
-        for part, (kind, shape) in KINDS.items():
-            matrix(f"blk.{i}.{part}.weight", shape, kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tiny_llama_gguf(path, KINDS, context_length=128)
     return path
 
 
