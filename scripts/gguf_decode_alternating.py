@@ -1,6 +1,8 @@
-"""Decode steps of the default engine (GGUF dequantized to float32) and of
-`--quantization gguf` (the file's blocks kept), on the default model, alternating step by
-step so that a shared machine's drift hits both alike; medians per batch size.
+"""Decode steps of the default model's engines, alternating step by step so that a shared
+machine's drift hits all alike; medians per batch size. The engines: the GGUF dequantized
+to float32 (`--quantization none`), `--quantization gguf` (the file's blocks kept, each
+plain layer one compiled call), and the same gguf engine with its layers run step by step
+(what the compiled layer call replaced).
     .venv/bin/python scripts/gguf_decode_alternating.py [--batch-sizes 1,8] [--steps 20]
 """
 
@@ -20,39 +22,63 @@ from pagedllm.loader import load_model
 PROMPT_LEN = 32
 
 
+class StepByStep:
+    """The gguf engine with its layers' compiled calls set aside during its steps."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.layers = engine.runner.model.layers
+
+    def step(self) -> None:
+        fused = [layer.fused for layer in self.layers]
+        for layer in self.layers:
+            layer.fused = None
+        try:
+            self.engine.step()
+        finally:
+            for layer, call in zip(self.layers, fused, strict=True):
+                layer.fused = call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    loaded = load_model()
+    dequantized, kept = load_model(), load_model(keep_quantized=True)
+    gguf = LLMEngine(EngineConfig(quantization="gguf", kv_cache_memory="256MiB"), kept)
+    step_by_step_engine = LLMEngine(
+        EngineConfig(quantization="gguf", kv_cache_memory="256MiB"), kept
+    )
     engines = {
-        q: LLMEngine(EngineConfig(quantization=q, kv_cache_memory="256MiB"), loaded)
-        for q in (None, "gguf")
+        "float32": LLMEngine(EngineConfig(kv_cache_memory="256MiB"), dequantized),
+        "gguf": gguf,
+        "gguf step by step": step_by_step_engine,
     }
+    steppers = {name: e.step for name, e in engines.items()}
+    steppers["gguf step by step"] = StepByStep(step_by_step_engine).step
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts = [rng.integers(10, 40000, size=PROMPT_LEN).tolist() for _ in range(batch)]
-        for engine in engines.values():
+        for name, engine in engines.items():
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"{batch}-{i}", prompt, params)
             for _ in range(3):  # the prefill and the first decodes
-                engine.step()
-        times: dict[str | None, list[float]] = {q: [] for q in engines}
+                steppers[name]()
+        times: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.steps):
-            for q, engine in engines.items():
+            for name, step in steppers.items():
                 start = time.perf_counter()
-                engine.step()
-                times[q].append(time.perf_counter() - start)
+                step()
+                times[name].append(time.perf_counter() - start)
         for engine in engines.values():
             while engine.has_unfinished_requests():
                 engine.step()
-        ms = {q: 1000 * statistics.median(t) for q, t in times.items()}
-        print(
-            f"batch {batch}: default {ms[None]:.1f} ms/step, gguf {ms['gguf']:.1f} ms/step "
-            f"(gguf / default {ms['gguf'] / ms[None]:.2f})"
-        )
+        ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+        base = ms["float32"]
+        cells = ", ".join(f"{name} {v:.1f} ms ({v / base:.2f}x)" for name, v in ms.items())
+        print(f"batch {batch}: {cells}")
 
 
 if __name__ == "__main__":
