@@ -3,10 +3,10 @@ of its own, so that its peak resident memory is its own.
 
 `probe_pagedllm(...)` runs `python -m pagedllm.bench.gguf_probe MODEL ...` and returns its
 figures: seconds from the start of engine construction (the memory check, the load, the
-engine) until it is ready to generate (the first token of a short request is out, so
-that lazily loaded kernels count), the same from the process's start, the median decode
-step at batch 1 (as `bench decode` times it), the KV pool's bytes, the bytes of weights
-a step reads, and the process's peak resident memory over all of it.
+engine) until it is ready to generate (the token after a one-token prompt is out: lazily
+loaded kernels count, a prompt's prefill does not), the same from the process's start,
+the median decode step at batch 1 (as `bench decode` times it), the KV pool's bytes, the
+bytes of weights a step reads, and the process's peak resident memory over all of it.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     built = time.perf_counter()
     prompts = random_prompts(loaded.config.vocab_size, 1, PROMPT_LEN, seed=0)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    engine.add_request("ready", prompts[0], params)
+    engine.add_request("ready", prompts[0][:1], params)
     while engine.has_unfinished_requests():
         engine.step()
     ready, ready_wall = time.perf_counter(), time.time()

@@ -93,7 +93,7 @@ def llama_cpp_tools(folder: str | None) -> dict[str, str | None]:
 
 def quantized_model(
     shape: ModelShape, args: argparse.Namespace, quantize: str | None
-) -> tuple[str | None, str | None]:
+) -> tuple[str | None, str]:
     """The Q4_K_M file of `shape` (written and quantized here unless --work has it), and a
     note of what was done; (None, why) where it cannot be made."""
     work = Path(args.work)
@@ -197,18 +197,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             path: str | None = default_model_path()
         else:
             path, note = quantized_model(SHAPES[name], args, tools["llama-quantize"])
-            notes.append(str(note))
+            notes.append(note)
         if path is None:
             continue
+        load = round(os.getloadavg()[0], 2)  # other work on the cores sways both figures
         theirs: dict[str, Any] = {}
         if tools["llama-bench"] is not None:
             theirs = llama_bench(tools["llama-bench"], path, args.threads, args.steps)
             builds.add(theirs.get("build"))
         ours = probe_pagedllm(path, args.steps, args.threads, args.kv_cache_memory)
-        rows.append(row := row_of(name, path, ours, theirs, read_rate))
+        rows.append(row := row_of(name, path, ours, theirs, read_rate) | {"load_1m": load})
         notes += [f"{name}: {error}" for error in row.get("errors", [])]
     config = {"threads": args.threads, "steps": args.steps, "kv_cache_memory": args.kv_cache_memory}
     config |= {"cpu_kind": cpu_kind(), "read_gb_per_s": round(read_rate / GB, 1)}
+    config["llama_cpp_bin"] = os.path.dirname(tools["llama-bench"] or "") or None
     config["llama_cpp_build"] = ", ".join(sorted(str(b) for b in builds if b)) or None
     notes += [
         f"one stream, {args.threads} threads each; ms/token: llama.cpp's `llama-bench -p 0 "
@@ -218,11 +220,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak RSS: each system's own process (wait4's ru_maxrss), over load and generation; "
         "mapped file pages it touched count",
         "ready to serve: from the start of pagedllm's engine construction (memory check, "
-        "load, KV pool) to the first token of a short request; 'from process start' adds "
+        "load, KV pool) to the token after a one-token prompt; 'from process start' adds "
         "Python's start and imports",
         f"weights-read floor: the bytes of weights a pagedllm step reads, at the "
         f"{read_rate / GB:.1f} GB/s this machine read a 512 MiB buffer",
         f"bound: the file + pagedllm's KV pool ({args.kv_cache_memory}) + 0.5 GB",
+        "load_1m (JSON): the 1-minute load average as each model's runs began",
     ]
     result = options.new_result("llamacpp", args, "GGUF files (see rows)", config, rows, notes)
     for row in rows:
