@@ -131,7 +131,8 @@ def write_fake_tools(folder: Path) -> None:
             f"held = b'x' * {FAKE_LLAMA_BENCH_BYTES}\n"
             "n = int(sys.argv[sys.argv.index('-n') + 1])\n"
             "print(json.dumps([{'build_commit': 'fake', 'build_number': 1, 'n_prompt': 0,"
-            " 'n_gen': n, 'avg_ns': n * 40_000_000, 'avg_ts': 25.0}]))\n"
+            " 'n_gen': n, 'avg_ns': n * 40_000_000, 'avg_ts': 25.0,"
+            " 'samples_ns': [n * 30_000_000, n * 50_000_000]}]))\n"
         ),
     }
     for name, body in scripts.items():
@@ -154,11 +155,14 @@ def test_bench_over_llama_cpp_tools(
     stem = tiny.file_stem(0)
     assert os.listdir(work) == [f"{stem}.Q4_K_M.gguf"]  # the F16 is gone once quantized
     assert row["file"] == str(work / f"{stem}.Q4_K_M.gguf")
-    assert row["llama_cpp_ms"] == 40.0 and row["pagedllm_ms"] > 0
+    assert row["llama_cpp_ms"] == 40.0 and row["llama_cpp_repetitions_ms"] == [30.0, 50.0]
+    assert row["pagedllm_ms"] > 0
     assert row["ms_ratio"] == round(row["pagedllm_ms"] / 40.0, 2)
     # each process's own peak: the stand-in's 600 MiB are not pagedllm's
     assert row["llama_cpp_rss_gb"] * 1e9 > FAKE_LLAMA_BENCH_BYTES
     assert 0 < row["pagedllm_rss_gb"] * 1e9 < FAKE_LLAMA_BENCH_BYTES
+    less_kv = row["pagedllm_rss_gb"] - row["kv_pool_gb"]
+    assert row["pagedllm_rss_less_kv_gb"] == pytest.approx(less_kv, abs=2e-3)
     bound = row["file_gb"] + row["kv_pool_gb"] + 0.5
     assert row["bound_gb"] == pytest.approx(bound, abs=2e-3)
     assert row["within_bound"] == ("yes" if row["pagedllm_rss_gb"] <= row["bound_gb"] else "no")

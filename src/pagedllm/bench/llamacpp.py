@@ -139,6 +139,7 @@ def llama_bench(tool: str, model: str, threads: int, steps: int) -> dict[str, An
     tg = tests[0]
     return {
         "ms_per_token": tg["avg_ns"] / tg["n_gen"] / 1e6,
+        "repetitions_ms": [round(ns / tg["n_gen"] / 1e6, 2) for ns in tg.get("samples_ns", [])],
         "peak_rss_bytes": run.peak_rss_bytes,
         "build": f"{tg.get('build_commit')} (build {tg.get('build_number')})",
     }
@@ -163,6 +164,7 @@ def row_of(
     if "ms_per_token" in theirs:
         row["llama_cpp_ms"] = round(theirs["ms_per_token"], 2)
         row["llama_cpp_rss_gb"] = round(theirs["peak_rss_bytes"] / GB, 3)
+        row["llama_cpp_repetitions_ms"] = theirs["repetitions_ms"]
     if "ms_per_token" in ours:
         bound = size + ours["kv_pool_bytes"] + HEADROOM
         row["pagedllm_ms"] = round(ours["ms_per_token"], 2)
@@ -175,6 +177,11 @@ def row_of(
             row[key] = ours[key]
     row["ms_ratio"] = ratio(row.get("pagedllm_ms"), row.get("llama_cpp_ms"))
     row["rss_ratio"] = ratio(row.get("pagedllm_rss_gb"), row.get("llama_cpp_rss_gb"))
+    if "pagedllm_rss_gb" in row:  # llama-bench's context holds only its test's tokens
+        row["pagedllm_rss_less_kv_gb"] = round(row["pagedllm_rss_gb"] - row["kv_pool_gb"], 3)
+        row["rss_less_kv_ratio"] = ratio(
+            row["pagedllm_rss_less_kv_gb"], row.get("llama_cpp_rss_gb")
+        )
     errors = [figures["error"] for figures in (ours, theirs) if "error" in figures]
     return row | ({"errors": errors} if errors else {})
 
@@ -218,14 +225,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"median decode step at batch 1 over {args.steps} steps after a 16-token prompt "
         "(`bench decode`'s timing: scheduling, sampling and output processing included)",
         "peak RSS: each system's own process (wait4's ru_maxrss), over load and generation; "
-        "mapped file pages it touched count",
+        "mapped file pages it touched count; pagedllm's includes its whole KV pool (zeroed "
+        "at start), llama-bench's a context of its test's tokens only (JSON: "
+        "pagedllm_rss_less_kv_gb, rss_less_kv_ratio)",
         "ready to serve: from the start of pagedllm's engine construction (memory check, "
         "load, KV pool) to the token after a one-token prompt; 'from process start' adds "
         "Python's start and imports",
         f"weights-read floor: the bytes of weights a pagedllm step reads, at the "
         f"{read_rate / GB:.1f} GB/s this machine read a 512 MiB buffer",
         f"bound: the file + pagedllm's KV pool ({args.kv_cache_memory}) + 0.5 GB",
-        "load_1m (JSON): the 1-minute load average as each model's runs began",
+        "in the JSON: llama-bench's repetitions (ms/token each), and the 1-minute load "
+        "average as each model's runs began",
     ]
     result = options.new_result("llamacpp", args, "GGUF files (see rows)", config, rows, notes)
     for row in rows:
