@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench import options
-from pagedllm.bench.gguf_probe import probe_pagedllm
+from pagedllm.bench.gguf_probe import PROMPT_LEN, probe_pagedllm
 from pagedllm.bench.measured_process import run_measured
 from pagedllm.bench.memory_floor import read_bytes_per_second
 from pagedllm.bench.output import ratio, write_outputs
@@ -146,7 +146,7 @@ def llama_bench(tool: str, model: str, threads: int, steps: int) -> dict[str, An
 
 
 def cpu_kind() -> str:
-    """ "AVX-512 VNNI" or "AVX2": which of this project's two CPU kinds runs the bench."""
+    """Which of this project's two CPU kinds runs the bench: "AVX-512 VNNI" or "AVX2"."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             vnni = any("avx512_vnni" in line for line in f if line.startswith("flags"))
@@ -222,7 +222,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes += [
         f"one stream, {args.threads} threads each; ms/token: llama.cpp's `llama-bench -p 0 "
         f"-n {args.steps}` tg (mean of its repetitions, from an empty context); pagedllm's "
-        f"median decode step at batch 1 over {args.steps} steps after a 16-token prompt "
+        f"median decode step at batch 1 over {args.steps} steps after a {PROMPT_LEN}-token "
+        "prompt "
         "(`bench decode`'s timing: scheduling, sampling and output processing included)",
         "peak RSS: each system's own process (wait4's ru_maxrss), over load and generation; "
         "mapped file pages it touched count; pagedllm's includes its whole KV pool (zeroed "

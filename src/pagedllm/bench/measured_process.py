@@ -1,4 +1,4 @@
-"""Run a command and measure it: its exit status, output, wall time and peak resident memory.
+"""Run a command and measure it: its exit status, output and peak resident memory.
 
 The peak is the `ru_maxrss` that `wait4` returns for that one process: its own high-water
 mark (file pages it mapped and touched included), not its children's. It is taken by a
@@ -6,7 +6,7 @@ small launcher interpreter that forks and waits for the command, because Linux c
 a child's `ru_maxrss` the high-water mark of the memory it ran in before `exec`: forked
 (or vforked, as `subprocess` does) straight from a bench holding gigabytes, every command
 would report at least the bench's own peak. From the launcher, that floor is the
-launcher's ~10 MB.
+launcher's few megabytes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +40,6 @@ class MeasuredRun:
     returncode: int
     stdout: str
     stderr: str
-    seconds: float
     peak_rss_bytes: int  # the command's own ru_maxrss (Linux reports KiB)
     timed_out: bool = False
 
@@ -61,7 +59,6 @@ def run_measured(command: Sequence[str], timeout_s: float) -> MeasuredRun:
         tempfile.TemporaryDirectory() as folder,
     ):
         report = os.path.join(folder, "report")
-        start = time.perf_counter()
         launcher = [sys.executable, "-c", LAUNCHER, report, *command]
         # A session of its own: a timeout kills the launcher and the command together.
         proc = subprocess.Popen(launcher, stdout=out, stderr=err, start_new_session=True)
@@ -72,7 +69,6 @@ def run_measured(command: Sequence[str], timeout_s: float) -> MeasuredRun:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             timed_out = True
-        seconds = time.perf_counter() - start
         returncode, peak_kib = proc.returncode, 0
         if os.path.exists(report):
             with open(report, encoding="utf-8") as f:
@@ -84,7 +80,6 @@ def run_measured(command: Sequence[str], timeout_s: float) -> MeasuredRun:
             returncode=returncode,
             stdout=out.read().decode(errors="replace"),
             stderr=err.read().decode(errors="replace"),
-            seconds=seconds,
             peak_rss_bytes=peak_kib * 1024,
             timed_out=timed_out,
         )
