@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedllm.bench import (
     engine_benches,
+    llamacpp,
     quality,
     report,
     scale_out,
@@ -19,13 +20,15 @@ from pagedllm.bench import (
     sweep_benches,
 )
 
+BENCH_MODULES = (quality, structured, spec_decode, spec_streams, serve, scale_out, llamacpp, report)
+
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmarks: throughput, memory, latency, ... report")
     sub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     sweep_benches.add_parsers(sub)
     engine_benches.add_parsers(sub)
-    for module in (quality, structured, spec_decode, spec_streams, serve, scale_out, report):
+    for module in BENCH_MODULES:
         module.add_parser(sub)
     for parser in sub.choices.values():
         run = parser.get_default("func")

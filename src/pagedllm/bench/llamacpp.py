@@ -1,0 +1,245 @@
+"""`pagedllm bench llamacpp`: pagedllm's `--quantization gguf` against llama.cpp on the same
+GGUF files, one stream, the same threads.
+
+Models: `smollm2-135m`, the packaged SmolLM2-135M-Instruct Q4_1 file as is; `smollm2-1.7b`
+and `qwen2.5-7b`, real-shaped models of random weights (bench/random_gguf.py) written as
+F16 and quantized by llama.cpp's `llama-quantize` to Q4_K_M. Those files are kept in
+`--work` and reused by a later run of the same shape and seed; the F16 is deleted once
+quantized unless `--keep-f16`. llama.cpp decodes with `llama-bench -p 0 -n STEPS -o json`
+(its tg figure); pagedllm in bench/gguf_probe.py. Each runs in a process of its own, whose
+peak resident memory `wait4` reports. Without llama.cpp the bench says so and measures
+pagedllm alone (on a shaped model only where its quantized file is already in `--work`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from pagedllm.bench import options
+from pagedllm.bench.gguf_probe import PROMPT_LEN, probe_pagedllm
+from pagedllm.bench.measured_process import run_measured
+from pagedllm.bench.memory_floor import read_bytes_per_second
+from pagedllm.bench.output import ratio, write_outputs
+from pagedllm.bench.random_gguf import SHAPES, ModelShape, write_random_gguf
+from pagedllm.errors import InvalidParameterError
+from pagedllm.loader import default_model_path
+
+PACKAGED = "smollm2-135m"
+MODELS = (PACKAGED, *SHAPES)
+QUANT = "Q4_K_M"
+TOOLS = ("llama-bench", "llama-quantize")
+BIN_ENV = "PAGEDLLM_LLAMA_CPP_BIN"
+HEADROOM = 0.5e9  # the memory bound: file + KV pool + this
+GB = 1e9
+TIMEOUT_S = 3600
+COLUMNS = "|".join(
+    [
+        "model=model",
+        "file_gb=file GB",
+        "llama_cpp_ms=llama.cpp ms/token",
+        "pagedllm_ms=pagedllm ms/token",
+        "ms_ratio=pagedllm / llama.cpp",
+        "floor_ms=weights-read floor ms",
+        "llama_cpp_rss_gb=llama.cpp peak RSS GB",
+        "pagedllm_rss_gb=pagedllm peak RSS GB",
+        "rss_ratio=pagedllm / llama.cpp",
+        "bound_gb=bound GB (file + KV + 0.5)",
+        "within_bound=within bound",
+        "ready_s=ready to serve s",
+        "process_ready_s=from process start s",
+    ]
+)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "llamacpp", help="--quantization gguf against llama.cpp on the same GGUF files"
+    )
+    options.add_bench_args(p, "llamacpp", run)
+    models = options.choice_list(MODELS, "model")
+    p.add_argument("--models", type=models, default=",".join(MODELS), help="default: %(default)s")
+    where = f"folder holding {' and '.join(TOOLS)} (default: ${BIN_ENV}, else the PATH)"
+    p.add_argument("--llama-cpp-bin", help=where)
+    work = "folder for the written GGUF files, reused by later runs (default: %(default)s)"
+    p.add_argument("--work", default="bench-work/llamacpp", help=work)
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed (default: 32)")
+    p.add_argument("--threads", type=int, default=2, help="both systems' threads (default: 2)")
+    kv = "pagedllm's KV pool (default: %(default)s)"
+    p.add_argument("--kv-cache-memory", default="256MiB", help=kv)
+    p.add_argument("--keep-f16", action="store_true", help="keep the F16 files once quantized")
+    source = "GGUF whose tokenizer the random models copy (default: the packaged SmolLM2-135M)"
+    p.add_argument("--tokenizer-from", help=source)
+
+
+def llama_cpp_tools(folder: str | None) -> dict[str, str | None]:
+    """Each of TOOLS: its path in `folder` (given: both must be there), else on the PATH."""
+    folder = folder or os.environ.get(BIN_ENV)
+    if folder is None:
+        return {tool: shutil.which(tool) for tool in TOOLS}
+    found = {tool: os.path.join(folder, tool) for tool in TOOLS}
+    missing = [tool for tool, path in found.items() if not os.access(path, os.X_OK)]
+    if missing:
+        raise InvalidParameterError(
+            "llama_cpp_bin", f"{folder} has no executable {' or '.join(missing)}"
+        )
+    return dict(found)
+
+
+def quantized_model(
+    shape: ModelShape, args: argparse.Namespace, quantize: str | None
+) -> tuple[str | None, str]:
+    """The Q4_K_M file of `shape` (written and quantized here unless --work has it), and a
+    note of what was done; (None, why) where it cannot be made."""
+    work = Path(args.work)
+    stem = shape.file_stem(args.seed)
+    quantized, f16 = work / f"{stem}.{QUANT}.gguf", work / f"{stem}.F16.gguf"
+    if quantized.exists():
+        return str(quantized), f"{shape.name}: reused {quantized}"
+    if quantize is None:
+        return None, f"{shape.name}: skipped, writing its {QUANT} file needs llama-quantize"
+    work.mkdir(parents=True, exist_ok=True)
+    if not f16.exists():
+        need = shape.f16_bytes() * 4 // 3  # the F16 and then its quantized copy beside it
+        free = shutil.disk_usage(work).free
+        if free < need:
+            raise InvalidParameterError(
+                "work",
+                f"{shape.name} needs {need / GB:.1f} GB free in {work} for its F16 and "
+                f"{QUANT} files; {free / GB:.1f} GB are free",
+            )
+        write_random_gguf(str(f16), shape, args.seed, args.tokenizer_from or default_model_path())
+    partial = work / f"{stem}.{QUANT}.gguf.partial"
+    done = subprocess.run(
+        [quantize, str(f16), str(partial), QUANT], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        tail = done.stderr.strip()[-1500:]
+        raise RuntimeError(f"llama-quantize failed on {f16} ({done.returncode}): {tail}")
+    partial.replace(quantized)
+    if not args.keep_f16:
+        f16.unlink()
+    return str(quantized), f"{shape.name}: wrote {quantized} (random N(0, 0.02), seed {args.seed})"
+
+
+def llama_bench(tool: str, model: str, threads: int, steps: int) -> dict[str, Any]:
+    """llama.cpp's decode time per token (tg, from an empty context) and peak RSS."""
+    command = [tool, "-m", model, "-t", str(threads), "-p", "0", "-n", str(steps), "-o", "json"]
+    run = run_measured(command, TIMEOUT_S)
+    if run.returncode != 0:
+        return {"error": run.failure("llama-bench")}
+    tests = [t for t in json.loads(run.stdout) if t["n_prompt"] == 0 and t["n_gen"] > 0]
+    if not tests:
+        return {"error": f"llama-bench printed no tg test: {run.stdout[-500:]}"}
+    tg = tests[0]
+    return {
+        "ms_per_token": tg["avg_ns"] / tg["n_gen"] / 1e6,
+        "repetitions_ms": [round(ns / tg["n_gen"] / 1e6, 2) for ns in tg.get("samples_ns", [])],
+        "peak_rss_bytes": run.peak_rss_bytes,
+        "build": f"{tg.get('build_commit')} (build {tg.get('build_number')})",
+    }
+
+
+def cpu_kind() -> str:
+    """Which of this project's two CPU kinds runs the bench: "AVX-512 VNNI" or "AVX2"."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            vnni = any("avx512_vnni" in line for line in f if line.startswith("flags"))
+    except OSError:
+        return "unknown"
+    return "AVX-512 VNNI" if vnni else "AVX2"
+
+
+def row_of(
+    name: str, path: str, ours: dict[str, Any], theirs: dict[str, Any], read_rate: float
+) -> dict[str, Any]:
+    """The table's row for one model, from both systems' figures."""
+    size = os.path.getsize(path)
+    row: dict[str, Any] = {"model": name, "file": path, "file_gb": round(size / GB, 3)}
+    if "ms_per_token" in theirs:
+        row["llama_cpp_ms"] = round(theirs["ms_per_token"], 2)
+        row["llama_cpp_rss_gb"] = round(theirs["peak_rss_bytes"] / GB, 3)
+        row["llama_cpp_repetitions_ms"] = theirs["repetitions_ms"]
+    if "ms_per_token" in ours:
+        bound = size + ours["kv_pool_bytes"] + HEADROOM
+        row["pagedllm_ms"] = round(ours["ms_per_token"], 2)
+        row["floor_ms"] = round(1000 * ours["weight_bytes_per_step"] / read_rate, 2)
+        row["pagedllm_rss_gb"] = round(ours["peak_rss_bytes"] / GB, 3)
+        row["kv_pool_gb"] = round(ours["kv_pool_bytes"] / GB, 3)
+        row["bound_gb"] = round(bound / GB, 3)
+        row["within_bound"] = "yes" if ours["peak_rss_bytes"] <= bound else "no"
+        for key in ("engine_s", "ready_s", "process_ready_s", "gguf_kernel"):
+            row[key] = ours[key]
+    row["ms_ratio"] = ratio(row.get("pagedllm_ms"), row.get("llama_cpp_ms"))
+    row["rss_ratio"] = ratio(row.get("pagedllm_rss_gb"), row.get("llama_cpp_rss_gb"))
+    if "pagedllm_rss_gb" in row:  # llama-bench's context holds only its test's tokens
+        row["pagedllm_rss_less_kv_gb"] = round(row["pagedllm_rss_gb"] - row["kv_pool_gb"], 3)
+        row["rss_less_kv_ratio"] = ratio(
+            row["pagedllm_rss_less_kv_gb"], row.get("llama_cpp_rss_gb")
+        )
+    errors = [figures["error"] for figures in (ours, theirs) if "error" in figures]
+    return row | ({"errors": errors} if errors else {})
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("steps", "threads"):
+        if getattr(args, name) < 1:
+            raise InvalidParameterError(name, f"--{name} must be at least 1")
+    tools = llama_cpp_tools(args.llama_cpp_bin)
+    notes: list[str] = []
+    if tools["llama-bench"] is None:
+        notes.append(
+            "llama.cpp not found (llama-bench is neither in --llama-cpp-bin, "
+            f"${BIN_ENV}, nor on the PATH): pagedllm's figures only"
+        )
+    read_rate = read_bytes_per_second()
+    rows, builds = [], set()
+    for name in args.models:
+        if name == PACKAGED:
+            path: str | None = default_model_path()
+        else:
+            path, note = quantized_model(SHAPES[name], args, tools["llama-quantize"])
+            notes.append(note)
+        if path is None:
+            continue
+        load = round(os.getloadavg()[0], 2)  # other work on the cores sways both figures
+        theirs: dict[str, Any] = {}
+        if tools["llama-bench"] is not None:
+            theirs = llama_bench(tools["llama-bench"], path, args.threads, args.steps)
+            builds.add(theirs.get("build"))
+        ours = probe_pagedllm(path, args.steps, args.threads, args.kv_cache_memory)
+        rows.append(row := row_of(name, path, ours, theirs, read_rate) | {"load_1m": load})
+        notes += [f"{name}: {error}" for error in row.get("errors", [])]
+    config = {"threads": args.threads, "steps": args.steps, "kv_cache_memory": args.kv_cache_memory}
+    config |= {"cpu_kind": cpu_kind(), "read_gb_per_s": round(read_rate / GB, 1)}
+    config["llama_cpp_bin"] = os.path.dirname(tools["llama-bench"] or "") or None
+    config["llama_cpp_build"] = ", ".join(sorted(str(b) for b in builds if b)) or None
+    notes += [
+        f"one stream, {args.threads} threads each; ms/token: llama.cpp's `llama-bench -p 0 "
+        f"-n {args.steps}` tg (mean of its repetitions, from an empty context); pagedllm's "
+        f"median decode step at batch 1 over {args.steps} steps after a {PROMPT_LEN}-token "
+        "prompt "
+        "(`bench decode`'s timing: scheduling, sampling and output processing included)",
+        "peak RSS: each system's own process (wait4's ru_maxrss), over load and generation; "
+        "mapped file pages it touched count; pagedllm's includes its whole KV pool (zeroed "
+        "at start), llama-bench's a context of its test's tokens only (JSON: "
+        "pagedllm_rss_less_kv_gb, rss_less_kv_ratio)",
+        "ready to serve: from the start of pagedllm's engine construction (memory check, "
+        "load, KV pool) to the token after a one-token prompt; 'from process start' adds "
+        "Python's start and imports",
+        f"weights-read floor: the bytes of weights a pagedllm step reads, at the "
+        f"{read_rate / GB:.1f} GB/s this machine read a 512 MiB buffer",
+        f"bound: the file + pagedllm's KV pool ({args.kv_cache_memory}) + 0.5 GB",
+        "in the JSON: llama-bench's repetitions (ms/token each), and the 1-minute load "
+        "average as each model's runs began",
+    ]
+    result = options.new_result("llamacpp", args, "GGUF files (see rows)", config, rows, notes)
+    for row in rows:
+        result["ratios"][row["model"]] = {"ms": row["ms_ratio"], "rss": row["rss_ratio"]}
+    result["exit_code"] = 1 if any("errors" in row for row in rows) else 0
+    return write_outputs(result, args.out, COLUMNS)

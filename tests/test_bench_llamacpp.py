@@ -1,0 +1,222 @@
+"""`pagedllm bench llamacpp` without llama.cpp: the random-weight GGUF writer (shapes as asked,
+both architectures, streamed), pagedllm's measurement process on a tiny file, and the bench
+over stand-ins for llama.cpp's tools (whose memory must not be counted as pagedllm's) or
+without them. No test asserts a timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tracemalloc
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from pagedllm.bench import llamacpp
+from pagedllm.bench.gguf_probe import probe_pagedllm
+from pagedllm.bench.random_gguf import ModelShape, write_random_gguf
+from pagedllm.entrypoints.cli import main
+from pagedllm.loader import ModelLoadError, default_model_path, load_model
+from pagedllm.model.gguf_linear import GGUFWeight
+
+SMOLLM2_VOCAB = 49152
+TINY_LLAMA = ModelShape("tiny-llama", "llama", 64, 128, 2, 4, 2, SMOLLM2_VOCAB, 130000.0)
+TINY_QWEN2 = ModelShape(
+    "tiny-qwen2", "qwen2", 64, 96, 2, 4, 1, SMOLLM2_VOCAB + 40, 1e6, 1e-6, 4096,
+    qkv_bias=True, tied_embeddings=False,
+)  # fmt: skip
+FAKE_LLAMA_BENCH_BYTES = 600 << 20  # far above what pagedllm takes on the tiny model
+
+
+@pytest.fixture(scope="module")
+def tokenizer_source() -> str:
+    try:
+        return default_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("shape", [TINY_LLAMA, TINY_QWEN2], ids=lambda s: s.arch)
+def test_written_gguf_loads_with_the_shape_asked(
+    shape: ModelShape, tokenizer_source: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "model.gguf"
+    write_random_gguf(str(path), shape, 0, tokenizer_source)
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["general.architecture"].contents() == shape.arch
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.1.ffn_down.weight"] == "F16" and kinds["blk.0.attn_norm.weight"] == "F32"
+    loaded = load_model(str(path), keep_quantized=True)
+    c = loaded.config
+    dims = (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads)
+    assert dims == (shape.hidden, shape.ffn, shape.layers, shape.heads)
+    assert (c.num_key_value_heads, c.vocab_size, c.rope_theta) == (
+        shape.kv_heads,
+        shape.vocab,
+        shape.rope_base,
+    )
+    assert c.tie_word_embeddings == shape.tied_embeddings
+    assert c.attention_bias == shape.qkv_bias
+    assert ("lm_head.weight" in loaded.weights) == (not shape.tied_embeddings)
+    q = loaded.weights["model.layers.1.self_attn.q_proj.weight"]
+    assert isinstance(q, GGUFWeight) and q.shape == (shape.hidden, shape.hidden)
+    k = loaded.weights["model.layers.1.self_attn.k_proj.weight"]
+    assert k.shape == (shape.kv_heads * shape.head_dim, shape.hidden)
+    if shape.qkv_bias:
+        bias = loaded.weights["model.layers.0.self_attn.v_proj.bias"]
+        assert bias.shape == (shape.kv_heads * shape.head_dim,) and 0.01 < bias.std() < 0.03
+    # SmolLM2's tokenizer, padded with unused tokens up to the vocabulary
+    assert len(loaded.tokenizer) == shape.vocab
+    text = "What is the capital of France?"
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode(text)) == text
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == shape.vocab
+    if shape.vocab > SMOLLM2_VOCAB:
+        assert tokens[-1] == f"<|unused_{shape.vocab - SMOLLM2_VOCAB - 1}|>"
+
+
+def test_writer_never_holds_the_model(tokenizer_source: str, tmp_path: Path) -> None:
+    """An 80 MB model written while numpy and Python allocate at most a small share of it:
+    the matrices are drawn and written a chunk at a time."""
+    shape = ModelShape("medium", "llama", 512, 2048, 4, 8, 8, SMOLLM2_VOCAB, 1e4)
+    write_random_gguf(str(tmp_path / "warm.gguf"), TINY_LLAMA, 0, tokenizer_source)  # caches
+    tracemalloc.start()
+    try:
+        write_random_gguf(str(tmp_path / "medium.gguf"), shape, 1, tokenizer_source)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    size = os.path.getsize(tmp_path / "medium.gguf")
+    assert size > shape.f16_bytes() > 80e6
+    assert peak < size / 4, (peak, size)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "medium.gguf")).tensors}
+    values = tensors["blk.3.ffn_up.weight"].data.astype(np.float32)
+    assert values.shape == (shape.ffn, shape.hidden)
+    assert 0.019 < float(values.std()) < 0.021 and abs(float(values.mean())) < 1e-3
+
+
+def tiny_weight_bytes(shape: ModelShape) -> int:
+    """The bytes a decode step reads of the tiny F16 model: every matrix but the embedding
+    lookup (tied: the embedding is also the output layer) at 2 bytes, the norms in fp32."""
+    kv = shape.kv_heads * shape.head_dim
+    layer = 2 * (shape.hidden * (2 * shape.hidden + 2 * kv) + 3 * shape.hidden * shape.ffn)
+    layer += 4 * 2 * shape.hidden
+    return shape.layers * layer + 2 * shape.vocab * shape.hidden + 4 * shape.hidden
+
+
+def test_pagedllm_probe_figures(tokenizer_source: str, tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_random_gguf(str(path), TINY_LLAMA, 0, tokenizer_source)
+    got = probe_pagedllm(str(path), steps=4, threads=1, kv_cache_memory="8MiB")
+    assert "error" not in got, got
+    assert 0 < got["engine_s"] <= got["ready_s"] <= got["process_ready_s"]
+    assert got["ms_per_token"] > 0 and got["threads"] == 1
+    assert 0.5 * 2**23 < got["kv_pool_bytes"] <= 2**23
+    assert got["weight_bytes_per_step"] == tiny_weight_bytes(TINY_LLAMA)
+    assert 50e6 < got["peak_rss_bytes"] < FAKE_LLAMA_BENCH_BYTES
+    assert got["gguf_kernel"] in ("avx2", "vnni")
+
+
+def write_fake_tools(folder: Path) -> None:
+    """Stand-ins for llama.cpp: llama-quantize copies its input; llama-bench touches
+    FAKE_LLAMA_BENCH_BYTES and prints a tg test as llama-bench's JSON does (40 ms/token)."""
+    folder.mkdir()
+    scripts = {
+        "llama-quantize": "import shutil, sys\nshutil.copyfile(sys.argv[1], sys.argv[2])\n",
+        "llama-bench": (
+            "import json, sys\n"
+            f"held = b'x' * {FAKE_LLAMA_BENCH_BYTES}\n"
+            "n = int(sys.argv[sys.argv.index('-n') + 1])\n"
+            "print(json.dumps([{'build_commit': 'fake', 'build_number': 1, 'n_prompt': 0,"
+            " 'n_gen': n, 'avg_ns': n * 40_000_000, 'avg_ts': 25.0,"
+            " 'samples_ns': [n * 30_000_000, n * 50_000_000]}]))\n"
+        ),
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!{sys.executable}\n{body}")
+        (folder / name).chmod(0o755)
+
+
+def test_bench_over_llama_cpp_tools(
+    tokenizer_source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny = ModelShape("smollm2-1.7b", "llama", 64, 128, 2, 4, 2, SMOLLM2_VOCAB, 130000.0)
+    monkeypatch.setitem(llamacpp.SHAPES, "smollm2-1.7b", tiny)
+    write_fake_tools(tmp_path / "bin")
+    work, out = tmp_path / "work", tmp_path / "out"
+    argv = ["bench", "llamacpp", "--models", "smollm2-1.7b", "--llama-cpp-bin"]
+    argv += [str(tmp_path / "bin"), "--work", str(work), "--out", str(out), "--steps", "3"]
+    assert main([*argv, "--kv-cache-memory", "8MiB", "--tokenizer-from", tokenizer_source]) == 0
+    result = json.loads((out / "llamacpp.json").read_text())
+    (row,) = result["results"]
+    stem = tiny.file_stem(0)
+    assert os.listdir(work) == [f"{stem}.Q4_K_M.gguf"]  # the F16 is gone once quantized
+    assert row["file"] == str(work / f"{stem}.Q4_K_M.gguf")
+    assert row["llama_cpp_ms"] == 40.0 and row["llama_cpp_repetitions_ms"] == [30.0, 50.0]
+    assert row["pagedllm_ms"] > 0
+    assert row["ms_ratio"] == round(row["pagedllm_ms"] / 40.0, 2)
+    # each process's own peak: the stand-in's 600 MiB are not pagedllm's
+    assert row["llama_cpp_rss_gb"] * 1e9 > FAKE_LLAMA_BENCH_BYTES
+    assert 0 < row["pagedllm_rss_gb"] * 1e9 < FAKE_LLAMA_BENCH_BYTES
+    less_kv = row["pagedllm_rss_gb"] - row["kv_pool_gb"]
+    assert row["pagedllm_rss_less_kv_gb"] == pytest.approx(less_kv, abs=2e-3)
+    bound = row["file_gb"] + row["kv_pool_gb"] + 0.5
+    assert row["bound_gb"] == pytest.approx(bound, abs=2e-3)
+    assert row["within_bound"] == ("yes" if row["pagedllm_rss_gb"] <= row["bound_gb"] else "no")
+    assert result["config"]["llama_cpp_build"] == "fake (build 1)"
+
+
+def test_bench_without_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No llama.cpp anywhere: the bench says so, skips a shaped model whose file it cannot
+    make, and measures pagedllm alone on one whose file is already in --work."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv(llamacpp.BIN_ENV, raising=False)
+    shapes = {
+        name: ModelShape(name, "llama", 64, 128, 2, 4, 2, 256, 1e4) for name in llamacpp.SHAPES
+    }
+    for name, shape in shapes.items():
+        monkeypatch.setitem(llamacpp.SHAPES, name, shape)
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    cached = work / f"{shapes['smollm2-1.7b'].file_stem(0)}.Q4_K_M.gguf"
+    write_vocabless_gguf(cached, shapes["smollm2-1.7b"])
+    models = "smollm2-1.7b,qwen2.5-7b"
+    argv = ["bench", "llamacpp", "--models", models, "--work", str(work), "--out", str(out)]
+    assert main([*argv, "--steps", "2", "--kv-cache-memory", "8MiB"]) == 0
+    result = json.loads((out / "llamacpp.json").read_text())
+    (row,) = result["results"]
+    assert row["model"] == "smollm2-1.7b" and row["pagedllm_ms"] > 0
+    assert "llama_cpp_ms" not in row and row["ms_ratio"] is None
+    notes = " ".join(result["notes"])
+    assert "llama.cpp not found" in notes
+    assert "qwen2.5-7b: skipped, writing its Q4_K_M file needs llama-quantize" in notes
+    assert os.listdir(work) == [cached.name]
+
+
+def write_vocabless_gguf(path: Path, shape: ModelShape) -> None:
+    """`shape` (a Llama) of random F16 weights, with no tokenizer: pagedllm loads it."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [
+        (writer.add_context_length, 256),
+        (writer.add_embedding_length, shape.hidden),
+        (writer.add_feed_forward_length, shape.ffn),
+        (writer.add_block_count, shape.layers),
+        (writer.add_head_count, shape.heads),
+        (writer.add_head_count_kv, shape.kv_heads),
+        (writer.add_layer_norm_rms_eps, shape.rms_eps),
+        (writer.add_vocab_size, shape.vocab),
+    ]:
+        add(value)
+    rng = np.random.default_rng(0)
+    for name, dims, kind in shape.tensors():
+        if kind == "norm":
+            writer.add_tensor(name, np.ones(dims, dtype=np.float32))
+        else:
+            writer.add_tensor(name, (rng.standard_normal(dims) * 0.02).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
