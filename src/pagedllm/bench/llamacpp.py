@@ -7,8 +7,10 @@ F16 and quantized by llama.cpp's `llama-quantize` to Q4_K_M. Those files are kep
 `--work` and reused by a later run of the same shape and seed; the F16 is deleted once
 quantized unless `--keep-f16`. llama.cpp decodes with `llama-bench -p 0 -n STEPS -o json`
 (its tg figure); pagedllm in bench/gguf_probe.py. Each runs in a process of its own, whose
-peak resident memory `wait4` reports. Without llama.cpp the bench says so and measures
-pagedllm alone (on a shaped model only where its quantized file is already in `--work`).
+peak resident memory `wait4` reports; the two alternate for `--rounds` rounds, so that a
+machine whose speed drifts sways both alike (the ratio is the median of the rounds').
+Without llama.cpp the bench says so and measures pagedllm alone (on a shaped model only
+where its quantized file is already in `--work`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -69,6 +72,8 @@ def add_parser(sub: Any) -> None:
     work = "folder for the written GGUF files, reused by later runs (default: %(default)s)"
     p.add_argument("--work", default="bench-work/llamacpp", help=work)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed (default: 32)")
+    rounds = "llama.cpp then pagedllm, this many times per model (default: %(default)s)"
+    p.add_argument("--rounds", type=int, default=3, help=rounds)
     p.add_argument("--threads", type=int, default=2, help="both systems' threads (default: 2)")
     kv = "pagedllm's KV pool (default: %(default)s)"
     p.add_argument("--kv-cache-memory", default="256MiB", help=kv)
@@ -155,10 +160,21 @@ def cpu_kind() -> str:
     return "AVX-512 VNNI" if vnni else "AVX2"
 
 
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's figures over the rounds: those of its round of median time per token,
+    with the highest peak RSS of any round (the first failure, if a round failed)."""
+    failed = [r for r in rounds if "ms_per_token" not in r]
+    if failed:
+        return failed[0]
+    ordered = sorted(rounds, key=lambda r: r["ms_per_token"])
+    peak = max(r["peak_rss_bytes"] for r in rounds)
+    return ordered[(len(ordered) - 1) // 2] | {"peak_rss_bytes": peak}
+
+
 def row_of(
     name: str, path: str, ours: dict[str, Any], theirs: dict[str, Any], read_rate: float
 ) -> dict[str, Any]:
-    """The table's row for one model, from both systems' figures."""
+    """The table's row for one model, from both systems' figures (median_round's)."""
     size = os.path.getsize(path)
     row: dict[str, Any] = {"model": name, "file": path, "file_gb": round(size / GB, 3)}
     if "ms_per_token" in theirs:
@@ -186,8 +202,23 @@ def row_of(
     return row | ({"errors": errors} if errors else {})
 
 
+def round_ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each round's pagedllm / llama.cpp time per token, and their median (the row's ratio)."""
+    pairs = [
+        (a["ms_per_token"], b["ms_per_token"])
+        for a, b in zip(ours, theirs, strict=False)
+        if "ms_per_token" in a and "ms_per_token" in b
+    ]
+    if not pairs:
+        return {}
+    each = [a / b for a, b in pairs]
+    # median_low: the ratio of a round that ran, as median_round picks a round
+    ratio_of_rounds = round(statistics.median_low(each), 2)
+    return {"round_ratios": [round(r, 3) for r in each], "ms_ratio": ratio_of_rounds}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("steps", "threads"):
+    for name in ("steps", "threads", "rounds"):
         if getattr(args, name) < 1:
             raise InvalidParameterError(name, f"--{name} must be at least 1")
     tools = llama_cpp_tools(args.llama_cpp_bin)
@@ -208,18 +239,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if path is None:
             continue
         load = round(os.getloadavg()[0], 2)  # other work on the cores sways both figures
-        theirs: dict[str, Any] = {}
-        if tools["llama-bench"] is not None:
-            theirs = llama_bench(tools["llama-bench"], path, args.threads, args.steps)
-            builds.add(theirs.get("build"))
-        ours = probe_pagedllm(path, args.steps, args.threads, args.kv_cache_memory)
-        rows.append(row := row_of(name, path, ours, theirs, read_rate) | {"load_1m": load})
+        theirs: list[dict[str, Any]] = []
+        ours: list[dict[str, Any]] = []
+        for _ in range(args.rounds):
+            if tools["llama-bench"] is not None:
+                theirs.append(llama_bench(tools["llama-bench"], path, args.threads, args.steps))
+                builds.add(theirs[-1].get("build"))
+            ours.append(probe_pagedllm(path, args.steps, args.threads, args.kv_cache_memory))
+        row = row_of(name, path, median_round(ours), median_round(theirs or [{}]), read_rate)
+        rows.append(row := row | {"load_1m": load} | round_ratios(ours, theirs))
         notes += [f"{name}: {error}" for error in row.get("errors", [])]
-    config = {"threads": args.threads, "steps": args.steps, "kv_cache_memory": args.kv_cache_memory}
+    config = {"threads": args.threads, "steps": args.steps, "rounds": args.rounds}
+    config["kv_cache_memory"] = args.kv_cache_memory
     config |= {"cpu_kind": cpu_kind(), "read_gb_per_s": round(read_rate / GB, 1)}
     config["llama_cpp_bin"] = os.path.dirname(tools["llama-bench"] or "") or None
     config["llama_cpp_build"] = ", ".join(sorted(str(b) for b in builds if b)) or None
     notes += [
+        f"{args.rounds} rounds per model, llama.cpp then pagedllm; each system's figures are "
+        "those of its median round (peak RSS: the highest); pagedllm / llama.cpp is the "
+        "median of the rounds' ratios (JSON: round_ratios)",
         f"one stream, {args.threads} threads each; ms/token: llama.cpp's `llama-bench -p 0 "
         f"-n {args.steps}` tg (mean of its repetitions, from an empty context); pagedllm's "
         f"median decode step at batch 1 over {args.steps} steps after a {PROMPT_LEN}-token "
