@@ -1,13 +1,17 @@
-"""`pagedllm bench quality`: what an opt-in numeric option changes, measured against the
-exact default (float32 weights and KV cache).
+"""`pagedllm bench quality`: what a numeric option changes, measured against the exact path
+(weights dequantized to float32: quantization none; float32 KV cache).
 
-On a text that ships with pagedllm (bench/data/quality_text.txt, about 3,000 tokens of
-plain English prose written for this purpose) it measures each configuration's perplexity
-and the largest logit difference from the baseline; on a set of 32 chat prompts, greedy
-agreement: the share of prompts whose first 32 generated tokens are identical. Each
-configuration's runner is built here, from the loaded model and the configuration's
-runner options: the logits come from its public `logits_of`, the greedy tokens from an
-engine over that same runner.
+The variant is the command line's options; its quantization "auto" is decided for the
+model's file as an engine would decide it, so that with no option the bench measures the
+default path (a quantized GGUF's blocks kept as stored) against the exact one. On a text
+that ships with pagedllm (bench/data/quality_text.txt, about 3,000 tokens of plain English
+prose written for this purpose) it measures each configuration's perplexity and the
+largest logit difference from the baseline; on a set of 32 chat prompts, greedy agreement:
+the share of prompts whose first 32 generated tokens are identical, and the share of those
+tokens equal to the baseline's, position by position. Each configuration's runner is
+built here, from the loaded model (loaded again with its blocks kept for quantization
+gguf) and the configuration's runner options: the logits come from its public
+`logits_of`, the greedy tokens from an engine over that same runner.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pagedllm.engine.prompts import encode_chat
 from pagedllm.entrypoints.engine_args import engine_options
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.quantization_choice import resolve_quantization
 
 DATA = Path(__file__).with_name("data")
 COLUMNS = "|".join(
@@ -38,6 +43,7 @@ COLUMNS = "|".join(
         "max_logit_diff=max abs logit diff",
         "mean_logit_diff=mean abs logit diff",
         "greedy_agreement=greedy agreement",
+        "same_greedy_tokens=same greedy tokens",
         "mean_common_prefix=same tokens before a change",
         "kv_bytes_per_token=KV bytes/token",
     ]
@@ -92,15 +98,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in lines if q]
     variant = engine_options(args)
-    baseline = {**variant, "dtype": "float32", "kv_cache_dtype": "float32", "quantization": None}
+    if variant["quantization"] == "auto":  # what an engine would take for this file
+        runner_options = EngineConfig(**variant).runner_options
+        variant["quantization"] = resolve_quantization(runner_options, args.model).quantization
+    baseline = {**variant, "dtype": "float32", "kv_cache_dtype": "float32", "quantization": "none"}
     rows, first = [], None
-    for name, opts in (("baseline (float32)", baseline), ("variant", variant)):
+    for name, opts in (("baseline (exact, float32)", baseline), ("variant", variant)):
         engine_config = EngineConfig(**opts)  # checks the options before the model is built
         got = measure(engine_config, loaded, text_ids, prompts, args.tokens)
         first = first or got
         diff = (got["logits"] - first["logits"]).abs()
         pairs = list(zip(got["greedy"], first["greedy"], strict=True))
         agree = sum(a == b for a, b in pairs)
+        same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=False))
+        total = sum(len(b) for _, b in pairs)
         prefix = sum(common_prefix(a, b) for a, b in pairs) / len(pairs)
         kv_bytes = options.kv_bytes_per_token(loaded, opts)
         label = name if name.startswith("baseline") else describe(opts)
@@ -112,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "max_logit_diff": float(diff.max()),
                 "mean_logit_diff": float(diff.mean()),
                 "greedy_agreement": f"{agree}/{len(prompts)}",
+                "same_greedy_tokens": f"{same / total:.1%}",
                 "mean_common_prefix": round(prefix, 1),
                 "kv_bytes_per_token": kv_bytes,
             }
@@ -121,8 +133,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "perplexity over the shipped text (teacher forcing, chunks of 512 tokens through the "
         "paged cache); logit differences over every position and vocabulary entry",
         f"greedy agreement: prompts whose first {args.tokens} greedy tokens (chat template, "
-        "EOS allowed) equal the baseline's; then how many tokens, on average, come before the "
-        "first difference",
+        "EOS allowed) equal the baseline's; same greedy tokens: the share of the baseline's "
+        "tokens the configuration generated at the same position; then how many tokens, on "
+        "average, come before the first difference",
     ]
     result = options.new_result("quality", args, loaded, config, rows, notes)
     return write_outputs(result, args.out, COLUMNS)
@@ -135,7 +148,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def describe(opts: dict[str, Any]) -> str:
-    """The options that differ from the exact default, e.g. `kv_cache_dtype=float16`."""
-    exact = {"dtype": "float32", "kv_cache_dtype": "auto", "quantization": None}
+    """The options that differ from the exact path, e.g. `kv_cache_dtype=float16`."""
+    exact = {"dtype": "float32", "kv_cache_dtype": "auto", "quantization": "none"}
     changed = [f"{k}={opts[k]}" for k, v in exact.items() if opts.get(k, v) != v]
     return ", ".join(changed) or "the same options"
