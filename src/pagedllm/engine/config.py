@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from pagedllm.core.reservation import check_policy
@@ -133,6 +133,15 @@ class EngineConfig:
                 f"baselines reserve their slots up front, got {self.kv_reservation!r}",
             )
         self.kv_events_keys()  # the endpoint and the keys checked now, before a model loads
+
+    def with_quantizations_of(self, options: RunnerOptions) -> EngineConfig:
+        """This configuration with the quantizations `options` hold (once "auto" is decided:
+        worker/quantization_choice.py)."""
+        return replace(
+            self,
+            quantization=options.quantization,
+            speculative_quantization=options.speculative_quantization,
+        )
 
     @cached_property
     def runner_options(self) -> RunnerOptions:

@@ -36,7 +36,6 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.reservation import reserve_tokens
@@ -91,11 +90,8 @@ class LLMEngine:
             from pagedllm.worker.factory import build_runner
             from pagedllm.worker.quantization_choice import resolve_quantization
 
-            options = resolve_quantization(config.runner_options, config.model, loaded)
-            config = replace(
-                config,
-                quantization=options.quantization,
-                speculative_quantization=options.speculative_quantization,
+            config = config.with_quantizations_of(
+                resolve_quantization(config.runner_options, config.model, loaded)
             )
             if loaded is None:
                 check_memory(config)  # before any weight is read
