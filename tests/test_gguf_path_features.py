@@ -3,9 +3,9 @@
 A tiny random Llama with SmolLM2's tokenizer, written as a Q8_0 GGUF: greedy tokens are
 the same batched or alone, prefix-cached or not, chunked or not, speculating (n-gram, or
 a draft computing on the same blocks) or not; beams and parallel samples run and free
-every block; structured output follows its schema. And (slow) Gemma 3 270M's Q4_K_M file
-on its blocks with its sliding-window layer groups: batched, chunked and preempted, the
-greedy tokens of each prompt alone.
+every block; structured output follows its schema; a server answers as offline. And
+(slow) Gemma 3 270M's Q4_K_M file on its blocks with its sliding-window layer groups:
+batched, chunked and preempted, the greedy tokens of each prompt alone.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from gguf_convert import write_gguf
+from live_server import NAME, start_server
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidParameterError, ModelLoadError
 from pagedllm.loader import LoadedModel, load_model
@@ -163,6 +165,20 @@ def test_structured_output_follows_its_schema(kept) -> None:
     assert out.finish_reason == "stop", out
     value = json.loads(out.text)
     assert set(value) == {"n", "ok"} and isinstance(value["ok"], bool)
+
+
+def test_a_server_over_the_blocks_answers_as_offline(kept, gguf_path) -> None:
+    live = start_server(gguf_path, {"quantization": "auto"}, loaded=kept)
+    try:
+        assert live.engine.engine.config.quantization == "gguf"
+        body = {"model": NAME, "prompt": "one two three", "max_tokens": 8, "temperature": 0}
+        r = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        want = _llm(kept).generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=8))
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        live.assert_pool_whole()
+    finally:
+        live.close()
 
 
 @pytest.mark.slow

@@ -161,9 +161,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "perplexity over the shipped text (teacher forcing, chunks of 512 tokens through the "
         "paged cache); logit differences over every position and vocabulary entry",
         f"greedy agreement: prompts whose first {args.tokens} greedy tokens (in the chat "
-        "template, if the model has one; EOS allowed) equal the baseline's; same greedy tokens: the share of the baseline's "
-        "tokens the configuration generated at the same position; then how many tokens, on "
-        "average, come before the first difference",
+        "template, if the model has one; EOS allowed) equal the baseline's; same greedy "
+        "tokens: the share of the baseline's tokens the configuration generated at the same "
+        "position; then how many tokens, on average, come before the first difference",
     ]
     result = options.new_result("quality", args, loaded, config, rows, notes)
     return write_outputs(result, args.out, COLUMNS)
