@@ -1,6 +1,7 @@
-"""Decode steps of the default engine (GGUF dequantized to float32) and of
-`--quantization gguf` (the file's blocks kept), on the default model, alternating step by
-step so that a shared machine's drift hits both alike; medians per batch size.
+"""Decode steps of `--quantization none` (the GGUF dequantized to float32) and of
+`--quantization gguf` (the file's blocks kept: the default), on the default model,
+alternating step by step so that a shared machine's drift hits both alike; medians per
+batch size.
     .venv/bin/python scripts/gguf_decode_alternating.py [--batch-sizes 1,8] [--steps 20]
 """
 
@@ -28,7 +29,7 @@ def main() -> None:
     loaded = load_model()
     engines = {
         q: LLMEngine(EngineConfig(quantization=q, kv_cache_memory="256MiB"), loaded)
-        for q in (None, "gguf")
+        for q in ("none", "gguf")
     }
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
@@ -39,7 +40,7 @@ def main() -> None:
                 engine.add_request(f"{batch}-{i}", prompt, params)
             for _ in range(3):  # the prefill and the first decodes
                 engine.step()
-        times: dict[str | None, list[float]] = {q: [] for q in engines}
+        times: dict[str, list[float]] = {q: [] for q in engines}
         for _ in range(args.steps):
             for q, engine in engines.items():
                 start = time.perf_counter()
@@ -50,8 +51,8 @@ def main() -> None:
                 engine.step()
         ms = {q: 1000 * statistics.median(t) for q, t in times.items()}
         print(
-            f"batch {batch}: default {ms[None]:.1f} ms/step, gguf {ms['gguf']:.1f} ms/step "
-            f"(gguf / default {ms['gguf'] / ms[None]:.2f})"
+            f"batch {batch}: none {ms['none']:.1f} ms/step, gguf {ms['gguf']:.1f} ms/step "
+            f"(gguf / none {ms['gguf'] / ms['none']:.2f})"
         )
 
 
