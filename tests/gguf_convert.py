@@ -94,8 +94,8 @@ def _add_metadata(writer: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
 
 
 def write_gguf(hf_dir: Path, path: Path, kind: str = "F32") -> Path:
-    """The GGUF of the tiny model in `hf_dir` (tensors of two dims in `kind`: F32, F16, or
-    a type `gguf.quants` quantizes, e.g. Q8_0 or Q4_0)."""
+    """The GGUF of the tiny model in `hf_dir` (tensors of two dims in `kind`: F32, F16 or
+    a block type gguf.quants quantizes, e.g. Q8_0)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[cfg["model_type"]]
     sandwich = arch == "gemma3"
@@ -114,8 +114,9 @@ def write_gguf(hf_dir: Path, path: Path, kind: str = "F32") -> Path:
             w = w + 1  # Gemma3RMSNorm scales by 1 + w; llama.cpp's norms by w
         name = gguf_tensor_name(hf, sandwich)
         if w.ndim == 2 and kind not in ("F32", "F16"):
-            qtype = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            blocks_of = gguf.GGMLQuantizationType[kind]
+            blocks = gguf.quants.quantize(w, blocks_of)
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=blocks_of)
         else:
             writer.add_tensor(name, w.astype(np.float16) if (kind == "F16" and w.ndim == 2) else w)
     writer.write_header_to_file()

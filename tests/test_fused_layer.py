@@ -1,14 +1,20 @@
-"""A plain decoder layer with int8 weights runs as one compiled call (model/fused_layer.py):
-the same bits as the layer's step-by-step forward, through chunked prefill and decode
-steps, with and without a q/k/v bias, and only where every kernel it chains applies."""
+"""A plain decoder layer with int8 or GGUF weights runs as one compiled call
+(model/fused_layer.py): the same bits as the layer's step-by-step forward, through chunked
+prefill and decode steps, with and without a q/k/v bias, and only where every kernel it
+chains applies."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from gguf_convert import write_gguf
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu import missing_cpu_features
+from tiny_gguf import write_tiny_llama_gguf
 
 pytestmark = pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels here")
 PROMPTS = [list(range(1, 21)), [5, 6, 7], list(range(30, 70))]
@@ -22,15 +28,37 @@ def run(llm: LLM) -> tuple[list[list[int]], list[float], torch.Tensor]:
     return tokens, logprobs, llm.engine.runner.logits_of(PROMPTS[2])
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_fused_layers_give_the_step_by_step_bits(model: str, request) -> None:
-    path = request.getfixturevalue(model)
+def _qwen2_q8_0_gguf(tmp_path: Path, request) -> Path:
+    return write_gguf(request.getfixturevalue("tiny_qwen2_dir"), tmp_path / "q.gguf", "Q8_0")
+
+
+def _llama_mixed_gguf(tmp_path: Path, request) -> Path:
+    # q/k/v of three types in one fused layer; gate/up of one.
+    kinds = dict(attn_q="Q8_0", attn_k="Q4_0", attn_v="Q4_1", attn_output="Q5_0")
+    kinds |= dict(ffn_gate="Q4_1", ffn_up="Q4_1", ffn_down="Q8_0")
+    write_tiny_llama_gguf(tmp_path / "l.gguf", kinds, context_length=256)
+    return tmp_path / "l.gguf"
+
+
+@pytest.mark.parametrize(
+    ("model", "quantization"),
+    [
+        ("tiny_llama_dir", "int8"),
+        ("tiny_qwen2_dir", "int8"),
+        (_llama_mixed_gguf, "gguf"),
+        (_qwen2_q8_0_gguf, "gguf"),  # a q/k/v bias
+    ],
+)
+def test_fused_layers_give_the_step_by_step_bits(
+    model: Any, quantization: str, request, tmp_path: Path
+) -> None:
+    path = request.getfixturevalue(model) if isinstance(model, str) else model(tmp_path, request)
     # Prompts longer than a step's token budget: prefill in chunks beside decodes. No
     # prefix caching: the step-by-step run must compute its prompts' K/V itself, not reuse
     # the fused run's (which would hide a wrong fused prefill).
     llm = LLM(
         str(path),
-        quantization="int8",
+        quantization=quantization,
         num_kv_blocks=64,
         block_size=8,
         max_num_batched_tokens=16,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.cache_root import cache_root
 from pagedllm.errors import KernelUnavailableError
 from pagedllm.kernels.policy import GEMV_MAX_ROWS, PANEL_GEMV_MAX_ROWS
 
@@ -46,10 +47,7 @@ _error: KernelUnavailableError | None = None
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "pagedllm"
-    )
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def missing_cpu_features() -> list[str]:

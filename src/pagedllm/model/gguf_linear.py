@@ -3,11 +3,12 @@
 A `GGUFWeight` is one weight matrix as its raw blocks: a uint8 tensor [out, bytes per row]
 over the file's memory map (never an fp32 copy), with its GGML type. A `GGUFLinear`
 computes x @ W^T for W stacked by rows from such parts (a fused q/k/v or gate/up): each
-part is multiplied where it lies, the outputs concatenated (joining parts of one type
-would copy them off the map, and resident memory would hold both). It calls the compiled
-`gguf_linear` op (kernels/gguf_blocks.py), which quantizes the activations per block as
-llama.cpp does; where the kernels do not build, it computes the same product in pure
-torch: activations quantized and dequantized the op's way, weights dequantized per call.
+part is multiplied where it lies (joining parts would copy them off the map, and resident
+memory would hold both). It calls the compiled `gguf_linear_parts` op
+(kernels/gguf_blocks.py), which quantizes the activations per block as llama.cpp does,
+once per kind of block, and splits all parts' rows over the threads at once; where the
+kernels do not build, it computes the same product in pure torch: activations quantized
+and dequantized the op's way, weights dequantized per call.
 `embed_rows` dequantizes only the looked-up rows of an embedding table.
 """
 
@@ -105,17 +106,16 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().reshape(-1, self.in_features).contiguous()
-        outs = [self._part(x, part) for part in self.parts]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.kernels is not None and all(p.ggml_type in KERNEL_TYPES for p in self.parts):
+            blocks = [p.blocks for p in self.parts]
+            kinds = [int(p.ggml_type) for p in self.parts]
+            out = self.kernels.gguf_linear_parts(x, blocks, kinds, "auto")
+        else:
+            outs = [
+                F.linear(quantized_activations(x, p.ggml_type), p.dequantize()) for p in self.parts
+            ]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if self.bias is None else out + self.bias
-
-    def _part(self, x: torch.Tensor, part: GGUFWeight) -> torch.Tensor:
-        if part.ggml_type == GGMLQuantizationType.F32:
-            return F.linear(x, part.dequantize())  # a view of the stored values
-        if self.kernels is not None:
-            kind, rows = int(part.ggml_type), part.shape[0]
-            return self.kernels.gguf_linear(x, part.blocks, kind, rows, "auto")
-        return F.linear(quantized_activations(x, part.ggml_type), part.dequantize())
 
 
 def embed_rows(ids: torch.Tensor, table: GGUFWeight) -> torch.Tensor:

@@ -30,7 +30,7 @@ from pagedllm.attention.backends import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata, GroupedAttentionMetadata
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.fused_layer import FusedInt8Layer
+from pagedllm.model.fused_layer import FusedGGUFLayer, FusedInt8Layer
 from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight, embed_rows
 from pagedllm.model.layer_ops import TorchLayerOps
 from pagedllm.model.linear import DenseLinear, quantize_linears
@@ -104,7 +104,8 @@ class DecoderLayer(nn.Module):
         self.rotary = rotary
         self.ops = ops
         self.parallel = parallel
-        self.fused: FusedInt8Layer | None = None  # set by quantize_int8 where it applies
+        # Set where it applies: by quantize_int8, or at load for GGUF layers.
+        self.fused: FusedInt8Layer | FusedGGUFLayer | None = None
 
     def forward(
         self,
@@ -276,5 +277,9 @@ class LlamaForCausalLM(nn.Module):
         return sum(layer.fused is not None for layer in self.layers)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up."""
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. GGUF layers with
+        the compiled kernels then run as one compiled call each (fused_layer.py)."""
         load_decoder_weights(self, weights)
+        for layer in self.layers:
+            if FusedGGUFLayer.applies(layer):
+                layer.fused = FusedGGUFLayer(layer, layer.qkv.kernels)

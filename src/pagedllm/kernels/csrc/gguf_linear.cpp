@@ -141,49 +141,107 @@ std::vector<uint8_t> quantize_rows(const float* x, int64_t rows, int64_t k, int6
   return blocks;
 }
 
+// One weight of a product: its rows of blocks, its kernels, and where its outputs go.
+struct Part {
+  const uint8_t* weight;
+  int64_t rows, row_bytes;
+  int64_t first_column;  // of the output
+  const BlockKernels* kernels;
+  const uint8_t* activations;  // x as this part's type multiplies it
+  int64_t activation_row_bytes;
+};
+
+// x [rows, k] @ the parts' rows^T, stacked, into out [rows, sum of the parts' rows]: the
+// activations are quantized once per kind of block, and the output features of all parts
+// are split over the threads in one parallel region.
+void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& parts,
+                    float* out) {
+  std::vector<std::pair<QuantizeRow, std::vector<uint8_t>>> quantized;
+  int64_t total = 0, widest_row = 1;
+  for (Part& p : parts) {
+    total += p.rows;
+    widest_row = std::max(widest_row, p.row_bytes);
+    const QuantizeRow quantize = p.kernels->quantize;
+    if (quantize == nullptr) {  // F16/BF16: the fp32 input as it is
+      p.activations = reinterpret_cast<const uint8_t*>(x);
+      continue;
+    }
+    auto same = std::find_if(quantized.begin(), quantized.end(),
+                             [&](const auto& q) { return q.first == quantize; });
+    if (same == quantized.end()) {
+      quantized.emplace_back(quantize, quantize_rows(x, rows, k, p.activation_row_bytes, quantize));
+      same = quantized.end() - 1;
+    }
+    p.activations = same->second.data();
+  }
+  // Each weight row is read once and used for every input row while it is in cache.
+  const int64_t grain = std::max<int64_t>(1, 16384 / widest_row);
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    for (const Part& p : parts) {
+      const int64_t lo = std::max(begin, p.first_column);
+      const int64_t hi = std::min(end, p.first_column + p.rows);
+      const BlockDot dot = p.kernels->dot;
+      for (int64_t j = lo; j < hi; ++j) {
+        const uint8_t* w = p.weight + (j - p.first_column) * p.row_bytes;
+        for (int64_t r = 0; r < rows; ++r)
+          out[r * total + j] = dot(static_cast<int>(k), w, p.activations + r * p.activation_row_bytes);
+      }
+    }
+  });
+}
+
+// The checked part of a product: `weight` holds `out_features` rows of `type` blocks.
+Part weight_part(const at::Tensor& weight, const GgufType& type, const std::string& kernel,
+                 int64_t k, int64_t out_features, int64_t first_column) {
+  TORCH_CHECK_VALUE(out_features >= 0, "out_features must be >= 0, not ", out_features);
+  const int64_t row_bytes = k / type.block * type.bytes;
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kByte && weight.is_contiguous(),
+                    "the weight must be a contiguous uint8 tensor of ", type.name, " blocks");
+  TORCH_CHECK_VALUE(weight.numel() == out_features * row_bytes, "the weight has ",
+                    weight.numel(), " bytes; ", out_features, " rows of ", k, " ", type.name,
+                    " values take ", out_features * row_bytes);
+  return {weight.data_ptr<uint8_t>(), out_features, row_bytes, first_column,
+          &kernels_for(type, kernel), nullptr, k / type.block * type.activation_bytes};
+}
+
 }  // namespace
+
+// x [rows, in] fp32 @ W^T -> fp32 [rows, out], W the rows of `weights` stacked in order, each
+// a uint8 [its rows, bytes per row] tensor of `ggml_types[i]` blocks (a fused q/k/v or
+// gate/up whose parts the file stores apart, possibly in different types).
+at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
+                             at::IntArrayRef ggml_types, const std::string& kernel) {
+  TORCH_CHECK_VALUE(!weights.empty() && weights.size() == ggml_types.size(), "got ",
+                    weights.size(), " weights and ", ggml_types.size(), " types");
+  const at::Tensor xc = x.contiguous();
+  std::vector<Part> parts;
+  int64_t total = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const GgufType& type = gguf_type(ggml_types[i]);
+    const int64_t k = input_width(xc, type);
+    TORCH_CHECK_VALUE(weights[i].dim() == 2, "weight ", i, " must be [rows, bytes per row]");
+    parts.push_back(weight_part(weights[i], type, kernel, k, weights[i].size(0), total));
+    total += weights[i].size(0);
+  }
+  const int64_t rows = xc.size(0);
+  at::Tensor out = at::empty({rows, total}, xc.options());
+  if (rows > 0 && total > 0)
+    multiply_parts(xc.data_ptr<float>(), rows, xc.size(1), parts, out.data_ptr<float>());
+  return out;
+}
 
 // x [rows, in] fp32 @ the weight's [out_features, in] values^T -> fp32 [rows, out_features];
 // `weight` holds the raw blocks, out_features rows of in / block * bytes bytes each.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type,
                        int64_t out_features, const std::string& kernel) {
   const GgufType& type = gguf_type(ggml_type);
-  const BlockKernels& kernels = kernels_for(type, kernel);
-  const int64_t k = input_width(x, type);
-  TORCH_CHECK_VALUE(out_features >= 0, "out_features must be >= 0, not ", out_features);
-  const int64_t weight_row_bytes = k / type.block * type.bytes;
-  TORCH_CHECK_VALUE(weight.scalar_type() == at::kByte && weight.is_contiguous(),
-                    "the weight must be a contiguous uint8 tensor of ", type.name, " blocks");
-  TORCH_CHECK_VALUE(weight.numel() == out_features * weight_row_bytes, "the weight has ",
-                    weight.numel(), " bytes; ", out_features, " rows of ", k, " ", type.name,
-                    " values take ", out_features * weight_row_bytes);
   const at::Tensor xc = x.contiguous();
+  const int64_t k = input_width(xc, type);
+  std::vector<Part> parts{weight_part(weight, type, kernel, k, out_features, 0)};
   const int64_t rows = xc.size(0);
   at::Tensor out = at::empty({rows, out_features}, xc.options());
-  if (rows == 0 || out_features == 0) return out;
-
-  const float* xp = xc.data_ptr<float>();
-  std::vector<uint8_t> quantized;
-  const uint8_t* activations = reinterpret_cast<const uint8_t*>(xp);
-  int64_t activation_row_bytes = k * 4;
-  if (kernels.quantize != nullptr) {
-    activation_row_bytes = k / type.block * type.activation_bytes;
-    quantized = quantize_rows(xp, rows, k, activation_row_bytes, kernels.quantize);
-    activations = quantized.data();
-  }
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const BlockDot dot = kernels.dot;
-  // Each weight row is read once and used for every input row while it is in cache.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(weight_row_bytes, 1));
-  at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const uint8_t* w = wp + j * weight_row_bytes;
-      for (int64_t r = 0; r < rows; ++r)
-        op[r * out_features + j] =
-            dot(static_cast<int>(k), w, activations + r * activation_row_bytes);
-    }
-  });
+  if (rows > 0 && out_features > 0)
+    multiply_parts(xc.data_ptr<float>(), rows, k, parts, out.data_ptr<float>());
   return out;
 }
 
@@ -210,11 +268,15 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
       "gguf_linear(Tensor x, Tensor weight, int ggml_type, int out_features, "
       "str kernel='auto') -> Tensor");
+  m.def(
+      "gguf_linear_parts(Tensor x, Tensor[] weights, int[] ggml_types, str kernel='auto') -> "
+      "Tensor");
   m.def("gguf_quantize_activations(Tensor x, int ggml_type, str kernel='auto') -> Tensor");
   m.def("gguf_kernel(str kernel='auto') -> str", &pagedllm::gguf_kernel);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("gguf_linear", &pagedllm::gguf_linear);
+  m.impl("gguf_linear_parts", &pagedllm::gguf_linear_parts);
   m.impl("gguf_quantize_activations", &pagedllm::gguf_quantize_activations);
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cstdint>
 #include <optional>
@@ -23,6 +24,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const 
                        const at::Tensor& weight_scale, const at::Tensor& weight_sums,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& panels, const std::string& kernel);
+
+// gguf_linear.cpp
+at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
+                             at::IntArrayRef ggml_types, const std::string& kernel);
 
 // paged_attention.cpp
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
