@@ -51,7 +51,9 @@ def main() -> None:
         EngineConfig(quantization="gguf", kv_cache_memory="256MiB"), kept
     )
     engines = {
-        "float32": LLMEngine(EngineConfig(kv_cache_memory="256MiB"), dequantized),
+        "float32": LLMEngine(
+            EngineConfig(quantization="none", kv_cache_memory="256MiB"), dequantized
+        ),
         "gguf": gguf,
         "gguf step by step": step_by_step_engine,
     }

@@ -52,7 +52,7 @@ def main() -> None:
     q8 = as_q8_0(dense)
     memory = "512MiB"
     engines = {
-        "float32": LLMEngine(EngineConfig(kv_cache_memory=memory), dense),
+        "float32": LLMEngine(EngineConfig(quantization="none", kv_cache_memory=memory), dense),
         "int8": LLMEngine(EngineConfig(quantization="int8", kv_cache_memory=memory), dense),
         "Q8_0": LLMEngine(EngineConfig(quantization="gguf", kv_cache_memory=memory), q8),
     }

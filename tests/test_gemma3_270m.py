@@ -135,6 +135,7 @@ def test_greedy_equals_transformers_batched_chunked_and_preempted(gemma, prompts
     # cannot run at once and the scheduler must preempt.
     llm = LLM(
         loaded=gemma,
+        quantization="none",
         block_size=16,
         num_kv_blocks=300,
         max_model_len=640,

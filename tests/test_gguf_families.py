@@ -93,12 +93,17 @@ def test_greedy_from_gguf_equals_transformers(arch: str, converted, prompts) -> 
     hf_dir, path = converted(arch)
     hf = load_hf(hf_dir)
     expected = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
-    assert _generate(LLM(str(path), block_size=8), prompts) == expected
+    assert _generate(LLM(str(path), block_size=8, quantization="none"), prompts) == expected
     if arch == "gemma3":  # windows of 8 tokens, prompts past them
         # 60 blocks of 4 tokens over 6 layer groups (1 full, 5 windowed): one sequence
         # fits, the four at once do not.
         small = LLM(
-            str(path), block_size=4, num_kv_blocks=60, watermark=0.0, max_num_batched_tokens=12
+            str(path),
+            quantization="none",
+            block_size=4,
+            num_kv_blocks=60,
+            watermark=0.0,
+            max_num_batched_tokens=12,
         )
         assert _generate(small, prompts) == expected
         assert small.engine.scheduler.num_preemptions > 0

@@ -65,7 +65,7 @@ def held_bytes(modules: Iterable[torch.nn.Module]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "gguf", "int8"])
 def test_weights_estimate_is_what_the_loaded_model_holds(model_path, quantization) -> None:
     header = memory.read_model_header(str(model_path))
     loaded = load_model(str(model_path), keep_quantized=quantization == "gguf")
@@ -94,8 +94,8 @@ def test_weights_estimate_is_what_the_loaded_model_holds(model_path, quantizatio
 def test_hf_directory_estimate_reads_the_safetensors_headers(tiny_llama_dir) -> None:
     header = memory.read_model_header(str(tiny_llama_dir))
     loaded = load_model(str(tiny_llama_dir))
-    runner = TorchModelRunner(loaded, RunnerOptions())
-    assert memory.weight_memory(header, None, 4).held == held_bytes(runner.model.modules())
+    runner = TorchModelRunner(loaded, RunnerOptions(quantization="none"))
+    assert memory.weight_memory(header, "none", 4).held == held_bytes(runner.model.modules())
 
 
 @pytest.mark.parametrize(
@@ -129,10 +129,10 @@ def _loader_must_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_model_that_does_not_fit_is_refused_before_loading(model_path, monkeypatch) -> None:
     """Room for the gguf path's blocks and 64 KiB of KV pool, not for the fp32 weights."""
-    limits = dict(max_num_seqs=4, max_num_batched_tokens=16)
+    limits = dict(max_num_seqs=4, max_num_batched_tokens=16, quantization="none")
     config = EngineConfig(model=str(model_path), **limits)
     header = memory.read_model_header(str(model_path))
-    need, blocks = estimate(config, header, None), estimate(config, header, "gguf")
+    need, blocks = estimate(config, header, "none"), estimate(config, header, "gguf")
     available = blocks.weights.held + blocks.buffers + 64 * 2**10
     assert available < need.weights.held + need.buffers
     monkeypatch.setattr(memory, "available_memory", lambda: available)
@@ -150,13 +150,14 @@ def test_a_model_that_does_not_fit_is_refused_before_loading(model_path, monkeyp
 
 
 def test_a_kv_pool_that_does_not_fit_names_kv_cache_memory(model_path, monkeypatch) -> None:
-    config = EngineConfig(model=str(model_path), kv_cache_memory="2GiB")
-    need = estimate(config, memory.read_model_header(str(model_path)), None)
+    options = dict(kv_cache_memory="2GiB", quantization="none")
+    config = EngineConfig(model=str(model_path), **options)
+    need = estimate(config, memory.read_model_header(str(model_path)), "none")
     available = need.weights.held + need.buffers + 2**30
     monkeypatch.setattr(memory, "available_memory", lambda: available)
     _loader_must_not_run(monkeypatch)
     with pytest.raises(InsufficientMemoryError) as info:
-        LLM(str(model_path), kv_cache_memory="2GiB")
+        LLM(str(model_path), **options)
     assert info.value.param == "kv_cache_memory"
     assert "To fit: a KV pool of at most 1.00 GiB (--kv-cache-memory); or" in str(info.value)
 

@@ -75,7 +75,7 @@ def oracle(hf_model, prompt_ids) -> list[list[int]]:
 
 
 def run(loaded, prompt_ids, **options):
-    llm = LLM(loaded=loaded, **options)
+    llm = LLM(loaded=loaded, quantization="none", **options)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompt_ids],
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
@@ -89,7 +89,7 @@ def run(loaded, prompt_ids, **options):
 def test_config_and_capital_of_france(loaded) -> None:
     cfg = loaded.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
-    llm = LLM(loaded=loaded)
+    llm = LLM(loaded=loaded, quantization="none")
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
@@ -127,7 +127,7 @@ def test_beam_search_matches_transformers(loaded, hf_model, prompt_ids, width) -
 
     hf = hf_model
     eos = hf.generation_config.eos_token_id
-    llm = LLM(loaded=loaded)
+    llm = LLM(loaded=loaded, quantization="none")
     chosen = [prompt_ids[0], prompt_ids[14]]
     params = BeamSearchParams(beam_width=width, max_tokens=16)
     outs = llm.beam_search([{"prompt_token_ids": p} for p in chosen], params, use_tqdm=False)
@@ -152,7 +152,7 @@ def test_beam_search_matches_transformers(loaded, hf_model, prompt_ids, width) -
 
 
 def test_stop_string_is_cut_from_the_text(loaded, prompt_ids) -> None:
-    llm = LLM(loaded=loaded)
+    llm = LLM(loaded=loaded, quantization="none")
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     full = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0]
     assert "Paris" in full.text

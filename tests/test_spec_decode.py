@@ -311,8 +311,8 @@ def test_smollm2_greedy_equals_greedy_without_speculation():
     text = "The quick brown fox jumps over the lazy dog near the river bank."
     prompts = [f"Repeat this sentence three times: {text}\n{text}\n", "The capital of France is"]
     params = SamplingParams(temperature=0, max_tokens=24)
-    plain = LLM(loaded=loaded).generate(prompts, params, use_tqdm=False)
-    llm = LLM(loaded=loaded, **NGRAM)
+    plain = LLM(loaded=loaded, quantization="none").generate(prompts, params, use_tqdm=False)
+    llm = LLM(loaded=loaded, quantization="none", **NGRAM)
     spec = llm.generate(prompts, params, use_tqdm=False)
     assert tokens(spec) == tokens(plain)
     snap = llm.engine.snapshot()

@@ -258,8 +258,12 @@ def test_smollm2_int8_self_draft_greedy_equals_greedy_without_speculation():
     loaded = load_model()
     prompt = "The capital of France is Paris. The capital of Germany is"
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    plain = LLM(loaded=loaded).generate([prompt], params, use_tqdm=False)
-    llm = LLM(loaded=loaded, **draft("smollm2-135m", speculative_quantization="int8"))
+    plain = LLM(loaded=loaded, quantization="none").generate([prompt], params, use_tqdm=False)
+    llm = LLM(
+        loaded=loaded,
+        quantization="none",
+        **draft("smollm2-135m", speculative_quantization="int8"),
+    )
     spec = llm.generate([prompt], params, use_tqdm=False)
     assert spec[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     snap = llm.engine.snapshot()

@@ -24,9 +24,9 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[LLM, LLM, list[list[int]]]]:
     loaded = load_model()
-    split = LLM(loaded=loaded, tensor_parallel_size=3, kv_cache_memory="64MiB")
+    split = LLM(loaded=loaded, quantization="none", tensor_parallel_size=3, kv_cache_memory="64MiB")
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
-    yield split, LLM(loaded=loaded, kv_cache_memory="64MiB"), prompts
+    yield split, LLM(loaded=loaded, quantization="none", kv_cache_memory="64MiB"), prompts
     split.engine.shutdown()
 
 

@@ -33,6 +33,8 @@ from pagedllm.entrypoints.engine_args import engine_options
 from pagedllm.loader import LoadedModel, load_model
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.factory import RealRunner
+from pagedllm.worker.options import RunnerOptions
+from pagedllm.worker.quantization_choice import resolve_quantization
 
 ATTENTION_COLUMNS = "phase=phase|batch=batch|context=context|paged_ms=paged ms|contiguous_ms="
 ATTENTION_COLUMNS += "contiguous ms|overhead=paged / contiguous|max_abs_diff=max abs diff"
@@ -225,10 +227,12 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
         b: hf_decode_step_seconds(hf, prompts[b], args.steps) for b in batches if hf is not None
     }
     # The least a step can take: reading every weight once, at this machine's read speed.
-    if args.quantization == "gguf":  # the file's blocks, as the layers read them
+    one_rank = RunnerOptions(quantization=args.quantization, dtype=args.dtype, device=args.device)
+    quantization = resolve_quantization(one_rank, args.model).quantization  # as its engine
+    if quantization == "gguf":  # the file's blocks, as the layers read them
         weight_bytes = stored_weight_bytes_per_step(load_model(args.model, keep_quantized=True))
     else:
-        weight_bytes = weight_bytes_per_step(loaded.config, args.quantization, args.dtype)
+        weight_bytes = weight_bytes_per_step(loaded.config, quantization, args.dtype)
     read_rate = read_bytes_per_second()
     floor_ms = 1000 * weight_bytes / read_rate
     rows = []

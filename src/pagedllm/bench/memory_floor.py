@@ -16,7 +16,7 @@ from pagedllm.model.gguf_linear import GGUFWeight
 BUFFER_BYTES = 512 << 20  # far beyond any cache
 
 
-def weight_bytes_per_step(config: ModelConfig, quantization: str | None, dtype: str) -> int:
+def weight_bytes_per_step(config: ModelConfig, quantization: str, dtype: str) -> int:
     """Bytes of weights one decode step reads: every linear layer's matrix (the output
     layer's is the embedding when they are tied; the embedding lookup itself reads a row
     per token, nothing here), at one byte each in int8 (plus its fp32 scales of the output

@@ -121,6 +121,9 @@ def sweep_values(args: argparse.Namespace, many: str, one: str, default: list[An
 
 @functools.cache  # `bench report` runs five benches on one model
 def get_loaded(path: str | None) -> LoadedModel:
+    """The model, dequantized (config, tokenizer, the transformers baseline); an engine the
+    bench builds over it decides quantization "auto" for the model's file, as `serve`
+    would, and loads the file's blocks again for gguf (sweep.engine_over_runner)."""
     return load_model(path)
 
 

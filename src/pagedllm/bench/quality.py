@@ -1,13 +1,17 @@
-"""`pagedllm bench quality`: what an opt-in numeric option changes, measured against the
-exact default (float32 weights and KV cache).
+"""`pagedllm bench quality`: what a numeric option changes, measured against the exact path
+(weights dequantized to float32: quantization none; float32 KV cache).
 
-On a text that ships with pagedllm (bench/data/quality_text.txt, about 3,000 tokens of
-plain English prose written for this purpose) it measures each configuration's perplexity
-and the largest logit difference from the baseline; on a set of 32 chat prompts, greedy
-agreement: the share of prompts whose first 32 generated tokens are identical. Each
-configuration's runner is built here, from the loaded model and the configuration's
-runner options: the logits come from its public `logits_of`, the greedy tokens from an
-engine over that same runner.
+The variant is the command line's options; its quantization "auto" is decided for the
+model's file as an engine would decide it, so that with no option the bench measures the
+default path (a quantized GGUF's blocks kept as stored) against the exact one. On a text
+that ships with pagedllm (bench/data/quality_text.txt, about 3,000 tokens of plain English
+prose written for this purpose) it measures each configuration's perplexity and the
+largest logit difference from the baseline; on a set of 32 chat prompts, greedy agreement:
+the share of prompts whose first 32 generated tokens are identical, and the share of those
+tokens equal to the baseline's, position by position. Each configuration's runner is
+built here, from the loaded model (loaded again with its blocks kept for quantization
+gguf) and the configuration's runner options: the logits come from its public
+`logits_of`, the greedy tokens from an engine over that same runner.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pagedllm.engine.prompts import encode_chat
 from pagedllm.entrypoints.engine_args import engine_options
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.quantization_choice import resolve_quantization
 
 DATA = Path(__file__).with_name("data")
 COLUMNS = "|".join(
@@ -38,6 +43,7 @@ COLUMNS = "|".join(
         "max_logit_diff=max abs logit diff",
         "mean_logit_diff=mean abs logit diff",
         "greedy_agreement=greedy agreement",
+        "same_greedy_tokens=same greedy tokens",
         "mean_common_prefix=same tokens before a change",
         "kv_bytes_per_token=KV bytes/token",
     ]
@@ -52,10 +58,37 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens compared per prompt")
 
 
+# Rows of logits taken at a time: a large vocabulary's logits over the whole text take
+# gigabytes (Gemma 3's 262,144 entries: 3 GB in fp32), so no copy of them all is made.
+ROWS = 256
+
+
 def perplexity(logits: torch.Tensor, text_ids: list[int]) -> float:
     """exp of the mean negative log-likelihood of each next token under `logits`."""
-    logprobs = torch.log_softmax(logits[:-1].double(), -1)
-    return math.exp(-logprobs.gather(1, torch.tensor(text_ids[1:])[:, None]).mean().item())
+    targets = torch.tensor(text_ids[1:])
+    total = 0.0
+    for start in range(0, len(targets), ROWS):
+        logprobs = torch.log_softmax(logits[start : start + ROWS].double(), -1)
+        picked = targets[start : start + ROWS, None]
+        total += logprobs[: len(picked)].gather(1, picked).sum().item()
+    return math.exp(-total / len(targets))
+
+
+def logit_diffs(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """The largest and the mean absolute difference of two logits tensors."""
+    most, total = 0.0, 0.0
+    for start in range(0, len(a), ROWS):
+        diff = (a[start : start + ROWS] - b[start : start + ROWS]).abs()
+        most, total = max(most, float(diff.max())), total + float(diff.double().sum())
+    return most, total / a.numel()
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A prompt as the model takes it: in its chat template, or as plain text for a base
+    model (one without a template)."""
+    if getattr(tokenizer, "chat_template", None):
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+    return tokenizer.encode(text)
 
 
 def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -90,17 +123,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = loaded.tokenizer
     text_ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))
     lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in lines if q]
+    prompts = [encode_prompt(tokenizer, q) for q in lines if q]
     variant = engine_options(args)
-    baseline = {**variant, "dtype": "float32", "kv_cache_dtype": "float32", "quantization": None}
+    # "auto" as an engine loading the file decides it, so that the row names the path.
+    variant["quantization"] = resolve_quantization(
+        EngineConfig(**variant).runner_options, args.model
+    ).quantization
+    baseline = {**variant, "dtype": "float32", "kv_cache_dtype": "float32", "quantization": "none"}
     rows, first = [], None
-    for name, opts in (("baseline (float32)", baseline), ("variant", variant)):
+    for name, opts in (("baseline (exact, float32)", baseline), ("variant", variant)):
         engine_config = EngineConfig(**opts)  # checks the options before the model is built
         got = measure(engine_config, loaded, text_ids, prompts, args.tokens)
         first = first or got
-        diff = (got["logits"] - first["logits"]).abs()
+        max_diff, mean_diff = logit_diffs(got["logits"], first["logits"])
         pairs = list(zip(got["greedy"], first["greedy"], strict=True))
         agree = sum(a == b for a, b in pairs)
+        same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=False))
+        total = sum(len(b) for _, b in pairs)
         prefix = sum(common_prefix(a, b) for a, b in pairs) / len(pairs)
         kv_bytes = options.kv_bytes_per_token(loaded, opts)
         label = name if name.startswith("baseline") else describe(opts)
@@ -109,9 +148,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "system": label,
                 "perplexity": round(got["ppl"], 4),
                 "perplexity_change": f"{got['ppl'] / first['ppl'] - 1:+.2%}",
-                "max_logit_diff": float(diff.max()),
-                "mean_logit_diff": float(diff.mean()),
+                "max_logit_diff": max_diff,
+                "mean_logit_diff": mean_diff,
                 "greedy_agreement": f"{agree}/{len(prompts)}",
+                "same_greedy_tokens": f"{same / total:.1%}",
                 "mean_common_prefix": round(prefix, 1),
                 "kv_bytes_per_token": kv_bytes,
             }
@@ -120,9 +160,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes = [
         "perplexity over the shipped text (teacher forcing, chunks of 512 tokens through the "
         "paged cache); logit differences over every position and vocabulary entry",
-        f"greedy agreement: prompts whose first {args.tokens} greedy tokens (chat template, "
-        "EOS allowed) equal the baseline's; then how many tokens, on average, come before the "
-        "first difference",
+        f"greedy agreement: prompts whose first {args.tokens} greedy tokens (in the chat "
+        "template, if the model has one; EOS allowed) equal the baseline's; same greedy "
+        "tokens: the share of the baseline's tokens the configuration generated at the same "
+        "position; then how many tokens, on average, come before the first difference",
     ]
     result = options.new_result("quality", args, loaded, config, rows, notes)
     return write_outputs(result, args.out, COLUMNS)
@@ -135,7 +176,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def describe(opts: dict[str, Any]) -> str:
-    """The options that differ from the exact default, e.g. `kv_cache_dtype=float16`."""
-    exact = {"dtype": "float32", "kv_cache_dtype": "auto", "quantization": None}
+    """The options that differ from the exact path, e.g. `kv_cache_dtype=float16`."""
+    exact = {"dtype": "float32", "kv_cache_dtype": "auto", "quantization": "none"}
     changed = [f"{k}={opts[k]}" for k, v in exact.items() if opts.get(k, v) != v]
     return ", ".join(changed) or "the same options"

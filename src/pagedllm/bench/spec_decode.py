@@ -13,6 +13,7 @@ tokens equal those without speculation (greedy: they must).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -93,9 +94,10 @@ def speculation_options(opts: dict[str, Any]) -> tuple[dict[str, Any], str]:
             "speculative_method": "draft",
             "num_speculative_tokens": k,
             "speculative_model": opts.get("speculative_model"),
-            "speculative_quantization": opts.get("speculative_quantization"),
+            "speculative_quantization": opts.get("speculative_quantization", "auto"),
         }
-        quant = f" {spec['speculative_quantization']}" if spec["speculative_quantization"] else ""
+        quant = spec["speculative_quantization"]
+        quant = "" if quant == "auto" else f" {quant}"
         return spec, f"draft {spec['speculative_model']}{quant} k={k}"
     spec = {"speculative_method": "ngram"} | {
         key: v if opts.get(key) is None else opts[key] for key, v in NGRAM_DEFAULTS.items()
@@ -108,8 +110,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loaded = options.get_loaded(args.model)
     opts = engine_options(args)
     spec_opts, spec_label = speculation_options(opts)
+    unset = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     for key in SPEC_KEYS:
-        opts[key] = None
+        opts[key] = unset[key]
     rows, base = [], None
     for mode, extra in (("off", {}), (spec_label, spec_opts)):
         engine, _ = engine_over_runner(EngineConfig(**(opts | extra)), loaded)

@@ -24,6 +24,7 @@ from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.factory import RealRunner, build_runner
 from pagedllm.worker.fake_runner import FakeModelRunner
+from pagedllm.worker.quantization_choice import resolve_quantization
 from pagedllm.worker.runner import ModelSpec
 
 SLOT_KINDS = ("tokens", "reserved", "wasted")
@@ -129,8 +130,12 @@ def engine_over_runner(
     config: EngineConfig, loaded: LoadedModel, profile_attention: bool = False
 ) -> tuple[LLMEngine, RealRunner]:
     """An engine over a runner built here, so that the bench holds the runner it measures
-    (`profile_attention`: the runner adds up its seconds in attention)."""
-    options = config.runner_options
+    (`profile_attention`: the runner adds up its seconds in attention). Quantization "auto"
+    is decided for the model's file, as an engine loading it would: a bench measures the
+    default path whatever form `loaded` has (build_runner loads the file's blocks for
+    gguf)."""
+    options = resolve_quantization(config.runner_options, config.model)
+    config = config.with_quantizations_of(options)
     runner, tokenizer = build_runner(
         options, config.model, loaded, profile_attention=profile_attention
     )

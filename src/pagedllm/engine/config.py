@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from pagedllm.core.reservation import check_policy
@@ -61,9 +61,11 @@ class EngineConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"  # half precision holds twice the tokens in the same memory
     attention_backend: str = "auto"
-    # "int8": W8A8 linear layers; "gguf": a GGUF's linear weights computed on in their blocks
-    # (CPU, float32 model)
-    quantization: str | None = None
+    # How the linear layers compute (worker/options.py): "auto" (gguf for a GGUF whose linear
+    # weights are block-quantized, where that path runs; else none), "none" (weights
+    # dequantized to dtype, exact), "int8" (W8A8), "gguf" (a GGUF's blocks as stored).
+    # LLMEngine resolves "auto" before loading: its config says the path taken.
+    quantization: str = "auto"
     device: str = "cpu"
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tp_runner.py)
     enable_prefix_caching: bool = True
@@ -94,7 +96,7 @@ class EngineConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
     speculative_model: str | None = None
-    speculative_quantization: str | None = None  # "int8": the draft's linear layers in int8
+    speculative_quantization: str = "auto"  # the draft's, as quantization (its own file)
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     speculative_disable_by_batch_size: int | None = None
@@ -131,6 +133,15 @@ class EngineConfig:
                 f"baselines reserve their slots up front, got {self.kv_reservation!r}",
             )
         self.kv_events_keys()  # the endpoint and the keys checked now, before a model loads
+
+    def with_quantizations_of(self, options: RunnerOptions) -> EngineConfig:
+        """This configuration with the quantizations `options` hold (once "auto" is decided:
+        worker/quantization_choice.py)."""
+        return replace(
+            self,
+            quantization=options.quantization,
+            speculative_quantization=options.speculative_quantization,
+        )
 
     @cached_property
     def runner_options(self) -> RunnerOptions:

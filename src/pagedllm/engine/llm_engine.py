@@ -83,15 +83,20 @@ class LLMEngine:
         tokenizer: Any = None,
     ) -> None:
         """Build the engine over `runner`, or over the real model (`loaded`, else loaded
-        from `config.model`) when no runner is given."""
-        self.config = config
+        from `config.model`) when no runner is given: then the quantizations "auto" are
+        decided first, and `self.config` holds the paths taken."""
         if runner is None:
             # Imported here: an engine over a fake runner never loads torch.
             from pagedllm.worker.factory import build_runner
+            from pagedllm.worker.quantization_choice import resolve_quantization
 
+            config = config.with_quantizations_of(
+                resolve_quantization(config.runner_options, config.model, loaded)
+            )
             if loaded is None:
                 check_memory(config)  # before any weight is read
             runner, tokenizer = build_runner(config.runner_options, config.model, loaded)
+        self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         spec = runner.spec

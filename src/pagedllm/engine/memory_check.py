@@ -39,7 +39,7 @@ def kv_pool_bytes(config: EngineConfig, header: ModelHeader) -> int:
     return (config.kv_blocks(block_bytes) + has_window(groups)) * block_bytes
 
 
-def estimate(config: EngineConfig, header: ModelHeader, quantization: str | None) -> MemoryEstimate:
+def estimate(config: EngineConfig, header: ModelHeader, quantization: str) -> MemoryEstimate:
     """The memory estimate of `header`'s model under `config`, on the path `quantization`."""
     from pagedllm.loader.memory_estimate import MemoryEstimate, buffer_bytes, weight_memory
 
@@ -58,7 +58,7 @@ def _advice(config: EngineConfig, header: ModelHeader, available: int) -> str:
     from pagedllm.loader.memory_estimate import format_bytes
 
     ways = []
-    others = [q for q in (None, "gguf", "int8") if q != config.quantization]
+    others = [q for q in ("none", "gguf", "int8") if q != config.quantization]
     for quantization in [config.quantization, *(others if config.dtype == "float32" else [])]:
         if quantization == "gguf" and not header.keeps_blocks:
             continue
@@ -70,19 +70,19 @@ def _advice(config: EngineConfig, header: ModelHeader, available: int) -> str:
         if quantization == config.quantization:
             ways.append(pool)
         else:
-            how = f"--quantization {quantization}" if quantization else "no --quantization"
-            ways.append(f"{how} with {pool}")
+            ways.append(f"--quantization {quantization} with {pool}")
     if not ways:
         ways.append(
             "a smaller model, or this model as a GGUF of a smaller quantization (Q4_K_M: "
-            "about 4.8 bits a weight) with --quantization gguf"
+            "about 4.8 bits a weight), whose blocks --quantization auto keeps as stored"
         )
     return "To fit: " + "; or ".join(ways) + "."
 
 
 def check_memory(config: EngineConfig) -> None:
-    """Log the memory `config.model` will need; InsufficientMemoryError if it exceeds what
-    the machine has available. A model that cannot be read is left to the loader to report."""
+    """Log the memory `config.model` will need on the path `config.quantization` names
+    (decided: not "auto"); InsufficientMemoryError if it exceeds what the machine has
+    available. A model that cannot be read is left to the loader to report."""
     if not config.device.startswith("cpu"):
         return
     from pagedllm.loader import memory_estimate as memory

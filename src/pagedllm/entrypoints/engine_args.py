@@ -20,7 +20,6 @@ from pagedllm.core.reservation import RESERVATION_POLICIES
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_event_access import CLIENT_PUBLIC_KEYS_ENV, SERVER_SECRET_KEY_ENV
 from pagedllm.kv.block_table import MAX_BLOCK_SIZE
-from pagedllm.spec.config import DRAFT_QUANTIZATIONS
 from pagedllm.worker.options import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
@@ -64,8 +63,10 @@ OPTIONS = (
     ),
     _Option(
         "quantization",
-        "int8: int8 weights and activations in the linear layers; gguf: a GGUF file's "
-        "linear weights kept in their quantized blocks (CPU; default: none, exact)",
+        "how the linear layers compute: gguf keeps a GGUF file's linear weights in their "
+        "quantized blocks (CPU, float32, one device); none dequantizes the weights to --dtype "
+        "(exact); int8: int8 weights and activations; auto: gguf for a GGUF whose linear "
+        "weights are quantized, where gguf runs, else none",
         choices=QUANTIZATIONS,
     ),
     _Option("device", "torch device: cpu, cuda, cuda:1, ..."),
@@ -142,9 +143,9 @@ OPTIONS = (
     ),
     _Option(
         "speculative_quantization",
-        "int8: the draft model's linear layers in int8 (CPU, float32; e.g. the target "
-        "itself as a cheaper draft)",
-        choices=DRAFT_QUANTIZATIONS,
+        "how the draft model's linear layers compute, as --quantization (for the draft's "
+        "file); e.g. int8 makes the target itself a cheaper draft",
+        choices=QUANTIZATIONS,
     ),
     _Option("prompt_lookup_min", "ngram: shortest suffix looked up (default 5)", int),
     _Option("prompt_lookup_max", "ngram: longest suffix looked up (default 5)", int),

@@ -3,7 +3,7 @@
 `read_model_header(path)` reads a GGUF's header (or a Hugging Face directory's config.json
 and its safetensors headers): the config, and each tensor's values and stored bytes.
 `weight_memory(header, quantization, dtype_size)` says what the weights take on each path:
-* default (quantization None): every tensor dequantized to fp32 by the loader, then copied
+* "none": every tensor dequantized to fp32 by the loader, then copied
   into the model at `dtype`: held = parameters x dtype size; while loading, the loader's
   fp32 copy lives beside the model's (parameters x 4 more);
 * "gguf": linear weights and the embedding table stay the file's blocks in its memory map
@@ -28,6 +28,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import gguf
 
 from pagedllm.errors import InsufficientMemoryError, ModelLoadError
 from pagedllm.loader.gguf_config import gguf_config
@@ -57,6 +59,8 @@ class TensorFacts:
     stored_bytes: int
     permuted_copy_bytes: int = 0
     kernel_type: bool = False  # a GGUF type the kept-blocks path computes on
+    type_name: str = ""  # the GGUF type (Q4_K, F32, ...); "" in a Hugging Face directory
+    block_quantized: bool = False  # a GGUF type of blocks with a scale (Q4_0, Q6_K, ...)
 
     @property
     def is_linear(self) -> bool:
@@ -100,9 +104,17 @@ def _gguf_header(path: str) -> ModelHeader:
         name = hf_name(tensor.name, config.sandwich_norms) or tensor.name
         copied = permuted and name.endswith(("q_proj.weight", "k_proj.weight"))
         nbytes = int(tensor.data.nbytes)
-        kernel_type = tensor.tensor_type in STORED_TYPES and len(tensor.shape) == 2
+        kind = tensor.tensor_type
         facts.append(
-            TensorFacts(name, math.prod(tensor.shape), nbytes, nbytes if copied else 0, kernel_type)
+            TensorFacts(
+                name,
+                math.prod(tensor.shape),
+                nbytes,
+                nbytes if copied else 0,
+                kernel_type=kind in STORED_TYPES and len(tensor.shape) == 2,
+                type_name=getattr(kind, "name", str(kind)),
+                block_quantized=gguf.GGML_QUANT_SIZES.get(kind, (1, 0))[0] > 1,
+            )
         )
     return ModelHeader(config, tuple(facts), is_gguf=True)
 
@@ -149,7 +161,7 @@ def _int8_linear_bytes(config: ModelConfig) -> int:
     return sum(out * inp + 2 * FP32 * out + FP32 * inp for out, inp in shapes)
 
 
-def weight_memory(header: ModelHeader, quantization: str | None, dtype_size: int) -> WeightMemory:
+def weight_memory(header: ModelHeader, quantization: str, dtype_size: int) -> WeightMemory:
     """The weights' memory on the path `quantization` takes (see the module docstring)."""
     params = header.parameters
     if quantization == "gguf":

@@ -2,10 +2,11 @@
 checks them, as one frozen, validated dataclass.
 
 `method` "ngram" guesses by prompt lookup (spec/ngram.py); "draft" asks a smaller model
-(`speculative_model`, optionally run with int8 linear layers: `speculative_quantization`;
-worker/draft_model.py). A bad value raises InvalidParameterError naming the engine option
-the user set (`speculative_method`, `num_speculative_tokens`, ...), so that the CLI and
-the server report the flag as it was given. `speculative_config_from` builds it from the
+(`speculative_model`, its linear layers computing as `speculative_quantization` says, whose
+values worker/options.py checks; worker/draft_model.py). A bad value raises
+InvalidParameterError naming the engine option the user set (`speculative_method`,
+`num_speculative_tokens`, ...), so that the CLI and the server report the flag as it was
+given. `speculative_config_from` builds it from the
 engine's options, None when speculation is off. Plain Python.
 """
 
@@ -18,8 +19,6 @@ from pagedllm.errors import InvalidParameterError
 
 SpeculativeMethod = Literal["ngram", "draft"]
 METHODS: tuple[str, ...] = ("ngram", "draft")
-# How the draft model's linear layers may compute (None: as its weights are).
-DRAFT_QUANTIZATIONS: tuple[str, ...] = ("int8",)
 # vLLM's rejection sampler takes at most this many proposed tokens per sequence.
 MAX_SPECULATIVE_TOKENS = 128
 # vLLM's prompt-lookup defaults, when neither bound is given.
@@ -62,7 +61,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # ngram: shortest suffix matched
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # ngram: longest suffix matched
     speculative_model: str | None = None  # draft: the proposing model's path
-    speculative_quantization: str | None = None  # draft: "int8" linear layers in the draft
+    # draft: how the draft's linear layers compute (auto: as the model's quantization
+    # auto decides, for the draft's own file)
+    speculative_quantization: str = "auto"
     # Speculate only while fewer sequences than this are running (large batches are
     # compute-bound: checking guesses then costs more than it saves); None: always.
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -95,13 +96,7 @@ class SpeculativeConfig:
                 f"'ngram' proposes without a model, got {model!r}",
             )
         quantization = self.speculative_quantization
-        if quantization is not None and quantization not in DRAFT_QUANTIZATIONS:
-            raise InvalidParameterError(
-                "speculative_quantization",
-                f"speculative_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
-                f"got {quantization!r}",
-            )
-        if quantization is not None and self.method != "draft":
+        if quantization != "auto" and self.method != "draft":
             raise InvalidParameterError(
                 "speculative_quantization",
                 "speculative_quantization is only read with speculative_method 'draft' (it "
@@ -124,7 +119,7 @@ def speculative_config_from(
     prompt_lookup_min: int | None = None,
     prompt_lookup_max: int | None = None,
     speculative_disable_by_batch_size: int | None = None,
-    speculative_quantization: str | None = None,
+    speculative_quantization: str = "auto",
 ) -> SpeculativeConfig | None:
     """The SpeculativeConfig the engine's options describe, None when they ask for no
     speculation. Unset, speculative_disable_by_batch_size is DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -135,14 +130,14 @@ def speculative_config_from(
     if method is None and speculative_model is not None:
         method = "draft"
     if method is None:
-        for option, value in (
-            ("num_speculative_tokens", num_speculative_tokens),
-            ("prompt_lookup_min", prompt_lookup_min),
-            ("prompt_lookup_max", prompt_lookup_max),
-            ("speculative_disable_by_batch_size", speculative_disable_by_batch_size),
-            ("speculative_quantization", speculative_quantization),
+        for option, is_set in (
+            ("num_speculative_tokens", num_speculative_tokens is not None),
+            ("prompt_lookup_min", prompt_lookup_min is not None),
+            ("prompt_lookup_max", prompt_lookup_max is not None),
+            ("speculative_disable_by_batch_size", speculative_disable_by_batch_size is not None),
+            ("speculative_quantization", speculative_quantization != "auto"),
         ):
-            if value is not None:
+            if is_set:
                 raise InvalidParameterError(
                     option, f"{option} is set but speculative_method is not (ngram or draft)"
                 )

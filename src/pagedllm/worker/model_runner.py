@@ -87,6 +87,8 @@ class TorchModelRunner:
             str(self.kv_dtype).removeprefix("torch."),
         )
         ops = self._layer_ops(options.attention_backend)
+        if options.quantization == "auto":
+            raise ValueError("quantization 'auto' is decided before a runner is built")
         gguf = options.quantization == "gguf"
         if gguf != loaded.kept_quantized:
             raise ValueError(

@@ -15,10 +15,14 @@ from pagedllm.errors import InvalidParameterError
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
-# None: the model's own weights, exact to the reference; "int8": W8A8 linear layers;
-# "gguf": a GGUF file's linear weights kept in their blocks, computed on as stored.
-QUANTIZATIONS = ("int8", "gguf")
-DRAFT_QUANTIZATIONS = ("int8",)
+# How the linear layers compute (the model's and, as speculative_quantization, the
+# draft's): "none": the weights dequantized to `dtype`, exact to the reference; "int8": W8A8
+# linear layers; "gguf": a GGUF file's linear weights kept in their blocks, computed on as
+# stored; "auto": gguf for a GGUF whose linear weights are block-quantized where that path
+# runs, else none (worker/quantization_choice.py resolves it before the model loads).
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+# The values that change the weights' form, and so need the CPU and a float32 model.
+QUANTIZED = ("int8", "gguf")
 
 
 @dataclass(frozen=True)
@@ -28,20 +32,20 @@ class RunnerOptions:
     seed: int = 0  # of the sampler's generator (seeded samples have their own)
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
-    quantization: str | None = None  # "int8" or "gguf" (QUANTIZATIONS; CPU, float32 model)
+    quantization: str = "auto"  # QUANTIZATIONS; int8 and gguf: CPU, float32 model
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tp_runner.py)
     # Speculative decoding with a draft model (worker/draft_model.py): the draft's path
     # (or packaged name), None: no draft; and how its linear layers compute.
     speculative_model: str | None = None
-    speculative_quantization: str | None = None
+    speculative_quantization: str = "auto"
 
     def __post_init__(self) -> None:
         for name, allowed in (
             ("dtype", DTYPES),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("attention_backend", ATTENTION_BACKENDS),
-            ("quantization", (None, *QUANTIZATIONS)),
-            ("speculative_quantization", (None, *DRAFT_QUANTIZATIONS)),
+            ("quantization", QUANTIZATIONS),
+            ("speculative_quantization", QUANTIZATIONS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -53,7 +57,7 @@ class RunnerOptions:
                 "tensor_parallel_size",
                 f"tensor_parallel_size must be an integer >= 1, got {size!r}",
             )
-        if self.quantization is not None and (
+        if self.quantization in QUANTIZED and (
             not self.device.startswith("cpu") or self.dtype != "float32"
         ):
             raise InvalidParameterError(
@@ -65,7 +69,7 @@ class RunnerOptions:
             raise InvalidParameterError(
                 "quantization",
                 "quantization='gguf' runs on one device: use tensor_parallel_size 1 "
-                f"(got {size}), or quantization none",
+                f"(got {size}), or quantization none or auto",
             )
         self._check_draft()
         if size > 1 and self.device not in ("cpu", "cuda"):
@@ -76,13 +80,13 @@ class RunnerOptions:
             )
 
     def _check_draft(self) -> None:
-        if self.speculative_quantization is not None and self.speculative_model is None:
+        if self.speculative_quantization != "auto" and self.speculative_model is None:
             raise InvalidParameterError(
                 "speculative_quantization",
                 "speculative_quantization quantizes the draft model: it needs "
                 "speculative_method 'draft' and a speculative_model",
             )
-        if self.speculative_quantization is not None and (
+        if self.speculative_quantization in QUANTIZED and (
             not self.device.startswith("cpu") or self.dtype != "float32"
         ):
             raise InvalidParameterError(
@@ -104,7 +108,7 @@ class RunnerOptions:
             self,
             quantization=self.speculative_quantization,
             speculative_model=None,
-            speculative_quantization=None,
+            speculative_quantization="auto",
         )
 
     @classmethod

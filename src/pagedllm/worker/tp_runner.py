@@ -131,7 +131,7 @@ class TensorParallelRunner:
             ],
             source=loaded.source,
             hf_dir=loaded.hf_dir,
-            tokenizer=loaded.tokenizer if options.quantization else None,
+            tokenizer=loaded.tokenizer if options.quantization == "int8" else None,
         )
         group.broadcast(init)
         for rank in range(1, size):
