@@ -113,6 +113,15 @@ def test_tensor_parallelism_takes_the_exact_path(quantized) -> None:
     assert auto_quantization(options, str(quantized)) == ("none", "tensor parallelism")
 
 
+def test_a_cpu_without_the_kernels_takes_the_exact_path(quantized, monkeypatch) -> None:
+    from pagedllm.worker import quantization_choice
+
+    monkeypatch.setattr(quantization_choice, "missing_cpu_features", lambda: ["avx2", "fma"])
+    options = EngineConfig(model=str(quantized)).runner_options
+    why = "this CPU has no avx2, fma for the gguf kernels"
+    assert auto_quantization(options, str(quantized)) == ("none", why)
+
+
 def test_explicit_gguf_refuses_tensor_parallelism_and_bfloat16() -> None:
     for options in ({"tensor_parallel_size": 2}, {"dtype": "bfloat16"}, {"device": "cuda"}):
         with pytest.raises(InvalidParameterError) as err:

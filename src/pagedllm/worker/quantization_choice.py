@@ -3,10 +3,11 @@
 "auto" keeps a GGUF's linear weights in their blocks (quantization "gguf": what llama.cpp
 does, and vLLM's --quantization gguf) when the file has at least one block-quantized
 linear weight and every linear weight is of a type the kernels take, on the CPU, in
-float32, on one device. Otherwise it is "none": the weights dequantized to `dtype`, exact
-to transformers. A model handed over already loaded keeps the form it was loaded in. The
-draft model's `speculative_quantization="auto"` follows the same rule on the draft's file.
-One INFO line says which path was taken and why.
+float32, on one device, where the CPU runs the compiled kernels (without them the GGUF
+layers would dequantize every weight at every call). Otherwise it is "none": the weights
+dequantized to `dtype`, exact to transformers. A model handed over already loaded keeps
+the form it was loaded in. The draft model's `speculative_quantization="auto"` follows the
+same rule on the draft's file. One INFO line says which path was taken and why.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.kernels.cpu import missing_cpu_features
 from pagedllm.worker.options import RunnerOptions
 
 if TYPE_CHECKING:
@@ -65,6 +67,9 @@ def auto_quantization(
         return "none", f"device {options.device}"
     if options.dtype != "float32":
         return "none", f"dtype {options.dtype}"
+    missing = missing_cpu_features()
+    if missing:
+        return "none", f"this CPU has no {', '.join(missing)} for the gguf kernels"
     from pagedllm.loader import resolve_model_path
     from pagedllm.loader.memory_estimate import read_model_header
 
