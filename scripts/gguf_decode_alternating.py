@@ -1,7 +1,7 @@
 """Decode steps of the default model's engines, alternating step by step so that a shared
 machine's drift hits all alike; medians per batch size. The engines: the GGUF dequantized
 to float32 (`--quantization none`), `--quantization gguf` (the file's blocks kept, each
-plain layer one compiled call), and the same gguf engine with its layers run step by step
+plain layers in one compiled call), and the same gguf engine with its layers run step by step
 (what the compiled layer call replaced).
     .venv/bin/python scripts/gguf_decode_alternating.py [--batch-sizes 1,8] [--steps 20]
 """
@@ -23,21 +23,18 @@ PROMPT_LEN = 32
 
 
 class StepByStep:
-    """The gguf engine with its layers' compiled calls set aside during its steps."""
+    """The gguf engine with its layers' compiled call set aside during its steps."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.layers = engine.runner.model.layers
+        self.model = engine.runner.model
 
     def step(self) -> None:
-        fused = [layer.fused for layer in self.layers]
-        for layer in self.layers:
-            layer.fused = None
+        fused, self.model.fused_gguf = self.model.fused_gguf, None
         try:
             self.engine.step()
         finally:
-            for layer, call in zip(self.layers, fused, strict=True):
-                layer.fused = call
+            self.model.fused_gguf = fused
 
 
 def main() -> None:

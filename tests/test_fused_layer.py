@@ -64,19 +64,22 @@ def test_fused_layers_give_the_step_by_step_bits(
         max_num_batched_tokens=16,
         enable_prefix_caching=False,
     )
-    layers = llm.engine.runner.model.layers
-    assert llm.engine.runner.model.fused_layers == len(layers)
+    model = llm.engine.runner.model
+    assert model.fused_layers == len(model.layers)
+    assert (model.fused_gguf is not None) == (quantization == "gguf")  # all layers, one call
     fused = run(llm)
-    saved = [layer.fused for layer in layers]
-    for layer in layers:
+    saved = [layer.fused for layer in model.layers], model.fused_gguf
+    for layer in model.layers:
         layer.fused = None
+    model.fused_gguf = None
     step_by_step = run(llm)
     assert fused[0] == step_by_step[0]
     assert fused[1] == step_by_step[1]
     assert torch.equal(fused[2], step_by_step[2])
     assert llm.engine.kv.num_free_blocks == 64
-    for layer, fusion in zip(layers, saved, strict=True):
+    for layer, fusion in zip(model.layers, saved[0], strict=True):
         layer.fused = fusion
+    model.fused_gguf = saved[1]
 
 
 def test_layers_stay_step_by_step_where_the_fused_call_does_not_apply(tiny_llama_dir) -> None:

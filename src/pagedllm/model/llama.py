@@ -30,7 +30,7 @@ from pagedllm.attention.backends import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata, GroupedAttentionMetadata
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.fused_layer import FusedGGUFLayer, FusedInt8Layer
+from pagedllm.model.fused_layer import FusedGGUFLayers, FusedInt8Layer
 from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight, embed_rows
 from pagedllm.model.layer_ops import TorchLayerOps
 from pagedllm.model.linear import DenseLinear, quantize_linears
@@ -104,8 +104,7 @@ class DecoderLayer(nn.Module):
         self.rotary = rotary
         self.ops = ops
         self.parallel = parallel
-        # Set where it applies: by quantize_int8, or at load for GGUF layers.
-        self.fused: FusedInt8Layer | FusedGGUFLayer | None = None
+        self.fused: FusedInt8Layer | None = None  # set by quantize_int8 where it applies
 
     def forward(
         self,
@@ -215,6 +214,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = make_linear(
             linear, config.hidden_size, config.vocab_size, False, ops, kernels
         )
+        # All layers on GGUF blocks in one compiled call (fused_layer.py), set at load.
+        self.fused_gguf: FusedGGUFLayers | None = None
         if config.tie_word_embeddings and isinstance(self.lm_head, DenseLinear):
             self.lm_head.weight = self.embed_tokens  # one tensor, two uses (GGUF: at load)
 
@@ -243,8 +244,12 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * self.embed_scale.to(hidden.dtype)
         grouped = GroupedAttentionMetadata.of(attn_metadata, len(self.layers))
         plans = [self.attention.prepare(m) for m in grouped.groups]  # once for its layers
-        for layer, kv_cache, g in zip(self.layers, kv_caches, grouped.layer_group, strict=True):
-            hidden, residual = layer(hidden, residual, positions, kv_cache, plans[g])
+        if self.fused_gguf is not None and len(plans) == 1:
+            hidden, residual = self.fused_gguf(hidden, positions, kv_caches, plans[0])
+        else:
+            layers = zip(self.layers, kv_caches, grouped.layer_group, strict=True)
+            for layer, kv_cache, g in layers:
+                hidden, residual = layer(hidden, residual, positions, kv_cache, plans[g])
         if residual is None:  # no layer ran: __init__ refuses such a model
             raise RuntimeError("the model ran no decoder layer")
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
@@ -273,13 +278,14 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def fused_layers(self) -> int:
-        """How many layers run as one compiled call each."""
+        """How many layers run in compiled calls (one a layer, or all in one)."""
+        if self.fused_gguf is not None:
+            return len(self.layers)
         return sum(layer.fused is not None for layer in self.layers)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. GGUF layers with
-        the compiled kernels then run as one compiled call each (fused_layer.py)."""
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. Plain layers on
+        GGUF blocks with the compiled kernels then run in one compiled call (fused_layer.py)."""
         load_decoder_weights(self, weights)
-        for layer in self.layers:
-            if FusedGGUFLayer.applies(layer):
-                layer.fused = FusedGGUFLayer(layer, layer.qkv.kernels)
+        if FusedGGUFLayers.applies(self.layers):
+            self.fused_gguf = FusedGGUFLayers(self.layers, self.layers[0].qkv.kernels)

@@ -1,23 +1,26 @@
-// A Llama decoder layer in one call, with int8 or GGUF linear layers: the kernels the model's
+// Llama decoder layers in one call, with int8 or GGUF linear layers: the kernels the model's
 // Python forward calls one by one (fused_ops.cpp, int8_linear.cpp or gguf_linear.cpp,
 // paged_attention.cpp), called here in the same order on the same tensors, so the numbers
 // are the same bits. What it saves is what lies between them: a dozen Python calls and op
 // dispatches a layer, which at batch 1 cost about as much as the layer's arithmetic.
 //
-//   int8_decoder_layer(hidden, residual?, positions, cos, sin, weights, kernels, <paged>,
-//                      num_heads, num_kv_heads, head_dim, eps, scale, window) -> (out, residual)
-//   gguf_decoder_layer(hidden, residual?, positions, cos, sin, input_norm, post_norm, weights,
-//                      ggml_types, parts, qkv_bias?, <paged>, num_heads, ...) -> (out, residual)
+//   int8_decoder_layer(hidden, residual?, positions, cos, sin, weights, kernels, k_cache,
+//                      v_cache, <step>, <shape>) -> (out, residual): one layer
+//   gguf_decoder_layers(hidden, positions, cos, sin, norms, weights, ggml_types, parts,
+//                       qkv_biases, k_caches, v_caches, <step>, <shape>) -> (out, residual):
+//                       every layer of the model (their argument lists are read once a
+//                       step instead of once a layer)
 //
-// <paged>: k_cache, v_cache, slot_mapping, block_tables, query_start_loc, context_lens,
-// work_items, merges (paged_attention's arguments). int8 weights: the input and
-// post-attention norms' weights, then for qkv, o, gate_up and down each: inv_smooth,
-// weight_t, weight_scale, weight_sums, bias, panels (an empty tensor for "none"); kernels:
-// the four layers' GEMM names, comma-separated. GGUF weights: the blocks of qkv's parts,
-// then o's, gate_up's and down's, `parts` of them each (e.g. 3, 1, 2, 1), of `ggml_types`.
-// residual: None for the first layer (then `hidden`, the embeddings, is the residual
-// stream); the residual stream is updated in place, as the model's is. Returns the layer's
-// output and the residual.
+// <step>: slot_mapping, block_tables, query_start_loc, context_lens, work_items, merges
+// (paged_attention's arguments besides the caches); <shape>: num_heads, num_kv_heads,
+// head_dim, eps, scale, window. int8 weights: the input and post-attention norms' weights,
+// then for qkv, o, gate_up and down each: inv_smooth, weight_t, weight_scale, weight_sums,
+// bias, panels (an empty tensor for "none"); kernels: the four layers' GEMM names,
+// comma-separated. GGUF: per layer its two norms' weights, its q/k/v bias (an empty tensor
+// for none), and the blocks of qkv's parts, then o's, gate_up's and down's, `parts` of them
+// each (e.g. 3, 1, 2, 1), of `ggml_types`. residual: None for the first layer (then
+// `hidden`, the embeddings, is the residual stream); the residual stream is updated in
+// place, as the model's is. Returns the last layer's output and the residual.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -112,34 +115,47 @@ std::tuple<at::Tensor, at::Tensor> int8_decoder_layer(
                      {num_heads, num_kv_heads, head_dim, eps, scale, window});
 }
 
-std::tuple<at::Tensor, at::Tensor> gguf_decoder_layer(
-    const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
-    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& input_norm, const at::Tensor& post_norm, at::TensorList weights,
-    at::IntArrayRef ggml_types, at::IntArrayRef parts, const std::optional<at::Tensor>& qkv_bias,
-    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+// The model's decoder layers one after another, each on its GGUF blocks.
+std::tuple<at::Tensor, at::Tensor> gguf_decoder_layers(
+    const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList norms, at::TensorList weights,
+    at::IntArrayRef ggml_types, at::IntArrayRef parts, at::TensorList qkv_biases,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& query_start_loc,
     const at::Tensor& context_lens, const at::Tensor& work_items, const at::Tensor& merges,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
     int64_t window) {
-  TORCH_CHECK(parts.size() == 4, "expected the part counts of four layers, got ", parts.size());
-  std::vector<int64_t> first{0};
+  const size_t layers = k_caches.size();
+  TORCH_CHECK(layers > 0 && v_caches.size() == layers && qkv_biases.size() == layers &&
+                  norms.size() == 2 * layers && parts.size() == 4 * layers,
+              "expected per layer: two norms, four part counts, a bias (empty: none) and a K "
+              "and V cache; got ", norms.size(), ", ", parts.size(), ", ", qkv_biases.size(),
+              ", ", k_caches.size(), ", ", v_caches.size(), " for ", layers, " layers");
+  std::vector<int64_t> first{0};  // of each linear layer's parts in `weights`
   for (int64_t n : parts) first.push_back(first.back() + n);
   TORCH_CHECK(first.back() == static_cast<int64_t>(weights.size()) &&
                   weights.size() == ggml_types.size(),
               "the part counts sum to ", first.back(), "; got ", weights.size(), " weights and ",
               ggml_types.size(), " types");
-  const Linear linear = [&](int which, const at::Tensor& x) {
-    const int64_t n = parts[which];
-    at::Tensor y = pagedllm::gguf_linear_parts(x, weights.slice(first[which], n),
-                                               ggml_types.slice(first[which], n), "auto");
-    if (which == 0 && qkv_bias.has_value() && qkv_bias->defined()) y.add_(*qkv_bias);
-    return y;
-  };
-  return llama_layer(hidden, residual, positions, cos, sin, input_norm, post_norm, linear,
-                     {k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
-                      context_lens, work_items, merges},
-                     {num_heads, num_kv_heads, head_dim, eps, scale, window});
+  at::Tensor out = hidden;
+  std::optional<at::Tensor> residual;
+  for (size_t l = 0; l < layers; ++l) {
+    const at::Tensor& bias = qkv_biases[l];
+    const Linear linear = [&](int which, const at::Tensor& x) {
+      const size_t i = 4 * l + which;
+      const int64_t n = parts[i];
+      at::Tensor y = pagedllm::gguf_linear_parts(x, weights.slice(first[i], n),
+                                                 ggml_types.slice(first[i], n), "auto");
+      if (which == 0 && bias.numel() > 0) y.add_(bias);
+      return y;
+    };
+    std::tie(out, residual) = llama_layer(
+        out, residual, positions, cos, sin, norms[2 * l], norms[2 * l + 1], linear,
+        {k_caches[l], v_caches[l], slot_mapping, block_tables, query_start_loc, context_lens,
+         work_items, merges},
+        {num_heads, num_kv_heads, head_dim, eps, scale, window});
+  }
+  return {out, *residual};
 }
 
 }  // namespace
@@ -152,15 +168,15 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "Tensor work_items, Tensor merges, int num_heads, int num_kv_heads, int head_dim, "
       "float eps, float scale, int window) -> (Tensor, Tensor)");
   m.def(
-      "gguf_decoder_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor positions, Tensor cos, "
-      "Tensor sin, Tensor input_norm, Tensor post_norm, Tensor[] weights, int[] ggml_types, "
-      "int[] parts, Tensor? qkv_bias, Tensor(c!) k_cache, Tensor(d!) v_cache, "
-      "Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor context_lens, "
-      "Tensor work_items, Tensor merges, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale, int window) -> (Tensor, Tensor)");
+      "gguf_decoder_layers(Tensor(a!) hidden, Tensor positions, Tensor cos, Tensor sin, "
+      "Tensor[] norms, Tensor[] weights, int[] ggml_types, int[] parts, Tensor[] qkv_biases, "
+      "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor context_lens, Tensor work_items, Tensor merges, "
+      "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window) "
+      "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("int8_decoder_layer", &int8_decoder_layer);
-  m.impl("gguf_decoder_layer", &gguf_decoder_layer);
+  m.impl("gguf_decoder_layers", &gguf_decoder_layers);
 }
