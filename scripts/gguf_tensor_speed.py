@@ -1,0 +1,49 @@
+"""How fast the GGUF kernels stream each kind of tensor of a file: one input row times every
+linear weight of the file (its blocks as the engine holds them, one kernel call each),
+grouped by block type and input width; the best of three passes, on torch's threads.
+    .venv/bin/python scripts/gguf_tensor_speed.py MODEL.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from pagedllm.kernels.cpu import load_cpu_ops
+from pagedllm.loader import load_model
+from pagedllm.model.gguf_linear import GGUFWeight
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model")
+    args = parser.parse_args()
+    ops = load_cpu_ops()
+    weights = load_model(args.model, keep_quantized=True).weights
+    groups: dict[tuple[str, int], list[GGUFWeight]] = collections.defaultdict(list)
+    for name, w in weights.items():
+        if isinstance(w, GGUFWeight) and name != "model.embed_tokens.weight":
+            groups[(w.ggml_type.name, w.in_features)].append(w)
+    total = 0.0
+    for (kind, width), tensors in sorted(groups.items()):
+        x = torch.randn(1, width)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for w in tensors:
+                ops.gguf_linear_parts(x, [w.blocks], [int(w.ggml_type)], "auto")
+            best = min(best, time.perf_counter() - start)
+        size = sum(w.blocks.numel() for w in tensors)
+        total += best
+        print(
+            f"{kind}, {width} inputs: {len(tensors)} tensors, {size / 1e6:.0f} MB, "
+            f"{best * 1e3:.1f} ms, {size / best / 1e9:.1f} GB/s"
+        )
+    print(f"all: {total * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
