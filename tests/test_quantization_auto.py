@@ -27,17 +27,9 @@ from pagedllm.loader import memory_estimate as memory
 from pagedllm.model.gguf_linear import GGUFLinear
 from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.quantization_choice import auto_quantization, resolve_quantization
-from tiny_gguf import write_tiny_llama_gguf
+from tiny_gguf import Q8_0_Q4_0, write_tiny_llama_gguf
 
-KINDS = {
-    "attn_q": "Q8_0",
-    "attn_k": "Q4_0",
-    "attn_v": "Q8_0",
-    "attn_output": "Q4_0",
-    "ffn_gate": "Q8_0",
-    "ffn_up": "Q8_0",
-    "ffn_down": "Q4_0",
-}
+KINDS = Q8_0_Q4_0
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,16 @@ SHAPES = {
     "ffn_up": (INTER, HIDDEN),
     "ffn_down": (HIDDEN, INTER),
 }
+# Q8_0 and Q4_0 matrices, the two types mixed in q/k/v and in gate/up/down.
+Q8_0_Q4_0 = {
+    "attn_q": "Q8_0",
+    "attn_k": "Q4_0",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_0",
+    "ffn_gate": "Q8_0",
+    "ffn_up": "Q8_0",
+    "ffn_down": "Q4_0",
+}
 
 
 def write_tiny_llama_gguf(path: Path, kinds: Mapping[str, str], context_length: int) -> None:
