@@ -14,6 +14,7 @@ import torch
 from hf_oracle import make_tiny_model
 from live_server import OPTIONS, LiveServer, build_chat_model, start_server
 from pagedllm.entrypoints.llm import LLM
+from tiny_gguf import Q8_0_Q4_0, write_tiny_llama_gguf
 
 # Deterministic, quick CPU runs whatever the machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -33,6 +34,14 @@ def own_int8_choice(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama GGUF of Q8_0 and Q4_0 matrices (tiny_gguf.py), built once."""
+    path = tmp_path_factory.mktemp("tiny-gguf") / "q8_0_q4_0.gguf"
+    write_tiny_llama_gguf(path, Q8_0_Q4_0, context_length=128)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -28,16 +28,11 @@ from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight
 from pagedllm.model.linear import Int8Linear
 from pagedllm.worker.model_runner import TorchModelRunner
 from pagedllm.worker.options import RunnerOptions
-from tiny_gguf import Q8_0_Q4_0, write_tiny_llama_gguf
-
-KINDS = Q8_0_Q4_0
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("memory") / "tiny.gguf"
-    write_tiny_llama_gguf(path, KINDS, context_length=128)
-    return path
+@pytest.fixture
+def model_path(tiny_quantized_gguf: Path) -> Path:
+    return tiny_quantized_gguf
 
 
 def held_bytes(modules: Iterable[torch.nn.Module]) -> int:

@@ -29,14 +29,10 @@ from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.quantization_choice import auto_quantization, resolve_quantization
 from tiny_gguf import Q8_0_Q4_0, write_tiny_llama_gguf
 
-KINDS = Q8_0_Q4_0
 
-
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("auto") / "q.gguf"
-    write_tiny_llama_gguf(path, KINDS, context_length=128)
-    return path
+@pytest.fixture
+def quantized(tiny_quantized_gguf: Path) -> Path:
+    return tiny_quantized_gguf
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +84,7 @@ def test_what_auto_leaves_on_the_exact_path(
         model = str(tiny_llama_dir)
     elif case == "q5_1":
         model = str(tmp_path / "q5_1.gguf")
-        write_tiny_llama_gguf(Path(model), {**KINDS, "ffn_down": "Q5_1"}, context_length=128)
+        write_tiny_llama_gguf(Path(model), {**Q8_0_Q4_0, "ffn_down": "Q5_1"}, context_length=128)
     else:
         options = {"dtype": "bfloat16"}
     with caplog.at_level(logging.INFO, logger="pagedllm"):

@@ -3,7 +3,7 @@
 Both return a transformers tokenizer. The GGUF one is built straight from the file (the
 `AutoTokenizer` route parses the whole GGUF a second time to pick a class: seconds slower),
 and saved under the cache folder (cache_root.py), keyed by the file's path, size and
-modification time: building it takes seconds, loading the saved one a tenth of that.
+modification time, since building it takes seconds.
 """
 
 from __future__ import annotations
