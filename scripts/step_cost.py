@@ -2,22 +2,31 @@
 
 * `fake`: 64 streams decoding over FakeModelRunner at 200- and 4096-token contexts: the
   step's bookkeeping alone (scheduling, the block tables sent to the runner and kept
-  there, sample rows, outputs), which the model's time hides;
+  there, sample rows, outputs), which the model's time hides; with the share of it in
+  `schedule()` and in the runner, and the size of the step pickled (what tensor
+  parallelism sends every rank);
+* `tiny`: the same over the real runner with a tiny random Llama (2 layers of 64), whose
+  compute is small enough that the step's bookkeeping and metadata show;
 * `real`: the default model (quantization none), decode steps at batch 1 and 8 from
   128-token prompts.
 
 Each figure: the median of the timed steps, once every stream is decoding.
 
     .venv/bin/python scripts/step_cost.py fake
+    .venv/bin/python scripts/step_cost.py tiny
     .venv/bin/python scripts/step_cost.py real
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -26,6 +35,26 @@ from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.runner import ModelSpec
 
 BLOCK_SIZE = 16
+
+
+class Timed:
+    """Wraps `obj.name` to keep the seconds each call takes, and its result."""
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.inner = getattr(obj, name)
+        self.seconds: list[float] = []
+        self.results: list[Any] = []
+        setattr(obj, name, self)
+
+    def __call__(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        result = self.inner(*args)
+        self.seconds.append(time.perf_counter() - start)
+        self.results.append(result)
+        return result
+
+    def median_ms(self, last: int) -> float:
+        return 1000 * statistics.median(self.seconds[-last:])
 
 
 def decode_step_ms(engine: LLMEngine, streams: int, context: int, steps: int) -> float:
@@ -47,21 +76,54 @@ def decode_step_ms(engine: LLMEngine, streams: int, context: int, steps: int) ->
     return 1000 * statistics.median(times)
 
 
-def fake(steps: int) -> None:
+def tiny_llama(path: Path) -> Path:
+    """A tiny random Llama saved under `path`, long enough for 4k-token contexts."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=8192,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def streams_64(steps: int, model: Path | None) -> None:
+    """64 streams at 200- and 4096-token contexts, over the fake runner (`model` None) or
+    the real one."""
     streams = 64
     for context in (200, 4096):
         blocks = streams * -(-(context + steps + 16) // BLOCK_SIZE) + 64
         config = EngineConfig(
+            model=None if model is None else str(model),
             block_size=BLOCK_SIZE,
             num_kv_blocks=blocks,
             max_num_seqs=streams,
             max_num_batched_tokens=8192,
             max_model_len=context + steps + 16,
             enable_prefix_caching=False,
+            quantization="none",
         )
-        engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(32000, 65536, (0,)), token=1))
+        if model is None:
+            runner = FakeModelRunner(ModelSpec(32000, 65536, (0,)), token=1)
+            engine = LLMEngine(config, runner=runner)
+        else:
+            engine = LLMEngine(config)
+        schedule, execute = Timed(engine.scheduler, "schedule"), Timed(engine.runner, "execute")
         ms = decode_step_ms(engine, streams, context, steps)
-        print(f"fake runner, {streams} streams, context {context}: {ms:.3f} ms/step")
+        first_decode = schedule.results[-steps]  # every stream decodes in it
+        print(
+            f"{'fake' if model is None else 'tiny'} runner, {streams} streams, "
+            f"context {context}: {ms:.3f} ms/step "
+            f"(schedule {schedule.median_ms(steps):.3f}, runner {execute.median_ms(steps):.3f}); "
+            f"a decode step of {len(first_decode.seqs)} sequences pickled: "
+            f"{len(pickle.dumps(first_decode))} bytes"
+        )
 
 
 def real(steps: int) -> None:
@@ -73,10 +135,16 @@ def real(steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["fake", "real"])
+    parser.add_argument("what", choices=["fake", "tiny", "real"])
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    (fake if args.what == "fake" else real)(args.steps)
+    if args.what == "real":
+        real(args.steps)
+    elif args.what == "fake":
+        streams_64(args.steps, None)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            streams_64(args.steps, tiny_llama(Path(tmp)))
 
 
 if __name__ == "__main__":

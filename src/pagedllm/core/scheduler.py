@@ -111,9 +111,9 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self._preempted_seq_ids: list[int] = []
-        # Sequence id -> per group, (entries, rewrites) of its table when last scheduled:
+        # Sequence id -> its tables' rewrites and entries, per group, when last scheduled:
         # what the runner's copy holds.
-        self._sent_tables: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._sent_tables: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -388,17 +388,14 @@ class Scheduler:
     def _table_changes(self, seq_id: int) -> tuple[tuple[tuple[int, ...], ...], bool]:
         """What the runner's copy of the sequence's tables lacks: per group the entries
         appended since it last ran, or the whole tables (True) when it has none or an
-        entry changed in place since."""
-        tables = [self.kv.table(seq_id, g) for g in range(self.kv.num_groups)]
-        now = tuple((len(t.blocks), t.num_rewrites) for t in tables)
+        entry changed in place since (a truncation counts as such a change)."""
+        groups = self.kv.tables[seq_id].groups
+        rewrites = tuple(t.num_rewrites for t in groups)
         sent = self._sent_tables.get(seq_id)
-        self._sent_tables[seq_id] = now
-        # A truncation counts as a rewrite: unchanged rewrites mean entries only appended.
-        if sent is None or any(n[1] != was[1] for n, was in zip(now, sent, strict=True)):
-            return tuple(tuple(t.blocks) for t in tables), True
-        return tuple(
-            tuple(t.blocks[was_entries:]) for t, (was_entries, _) in zip(tables, sent, strict=True)
-        ), False
+        self._sent_tables[seq_id] = (rewrites, tuple(len(t.blocks) for t in groups))
+        if sent is None or sent[0] != rewrites:
+            return tuple(tuple(t.blocks) for t in groups), True
+        return tuple(tuple(t.blocks[n:]) for t, n in zip(groups, sent[1], strict=True)), False
 
     def _free(self, seq_id: int) -> None:
         """Give the sequence's blocks back; the runner's copy of its tables is forgotten."""
