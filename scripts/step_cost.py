@@ -5,14 +5,19 @@
   there, sample rows, outputs), which the model's time hides; with the share of it in
   `schedule()` and in the runner, and the size of the step pickled (what tensor
   parallelism sends every rank);
+* `inputs`: the same with a fake runner that also builds the real runner's inputs (its
+  persistent batch's tables, worker/input_batch.py, and the step's AttentionMetadata);
 * `tiny`: the same over the real runner with a tiny random Llama (2 layers of 64), whose
   compute is small enough that the step's bookkeeping and metadata show;
 * `real`: the default model (quantization none), decode steps at batch 1 and 8 from
   128-token prompts.
 
-Each figure: the median of the timed steps, once every stream is decoding.
+Each figure: the median of the timed steps, once every stream is decoding. `--threads`
+sets torch's threads (on a shared machine, 1 keeps the small host-side tensor work from
+waiting on busy cores).
 
     .venv/bin/python scripts/step_cost.py fake
+    .venv/bin/python scripts/step_cost.py inputs
     .venv/bin/python scripts/step_cost.py tiny
     .venv/bin/python scripts/step_cost.py real
 """
@@ -25,14 +30,20 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from pagedllm.attention.metadata import build_grouped_metadata
+from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
-from pagedllm.worker.runner import ModelSpec
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 
 BLOCK_SIZE = 16
 
@@ -76,6 +87,26 @@ def decode_step_ms(engine: LLMEngine, streams: int, context: int, steps: int) ->
     return 1000 * statistics.median(times)
 
 
+class InputsRunner(FakeModelRunner):
+    """The fake runner, building the real runner's inputs of each step first."""
+
+    def __init__(self) -> None:
+        super().__init__(ModelSpec(32000, 65536, (0,)), token=1)
+        self.input_batch = InputBatch(1)
+
+    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+        seqs = step.seqs
+        build_grouped_metadata(
+            [s.start_pos for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            self.input_batch.step_tables(step),
+            [i for i, s in enumerate(seqs) if s.needs_logits],
+            BLOCK_SIZE,
+            (0,),
+        )
+        return super().execute(step, rows)
+
+
 def tiny_llama(path: Path) -> Path:
     """A tiny random Llama saved under `path`, long enough for 4k-token contexts."""
     import transformers
@@ -93,9 +124,9 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
-def streams_64(steps: int, model: Path | None) -> None:
-    """64 streams at 200- and 4096-token contexts, over the fake runner (`model` None) or
-    the real one."""
+def streams_64(steps: int, what: str, model: Path | None = None) -> None:
+    """64 streams at 200- and 4096-token contexts, over the fake runner (`what` "fake"),
+    the one that builds inputs ("inputs") or the real one over `model`."""
     streams = 64
     for context in (200, 4096):
         blocks = streams * -(-(context + steps + 16) // BLOCK_SIZE) + 64
@@ -109,16 +140,17 @@ def streams_64(steps: int, model: Path | None) -> None:
             enable_prefix_caching=False,
             quantization="none",
         )
-        if model is None:
-            runner = FakeModelRunner(ModelSpec(32000, 65536, (0,)), token=1)
-            engine = LLMEngine(config, runner=runner)
+        if what == "fake":
+            engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(32000, 65536), token=1))
+        elif what == "inputs":
+            engine = LLMEngine(config, runner=InputsRunner())
         else:
             engine = LLMEngine(config)
         schedule, execute = Timed(engine.scheduler, "schedule"), Timed(engine.runner, "execute")
         ms = decode_step_ms(engine, streams, context, steps)
         first_decode = schedule.results[-steps]  # every stream decodes in it
         print(
-            f"{'fake' if model is None else 'tiny'} runner, {streams} streams, "
+            f"{what} runner, {streams} streams, "
             f"context {context}: {ms:.3f} ms/step "
             f"(schedule {schedule.median_ms(steps):.3f}, runner {execute.median_ms(steps):.3f}); "
             f"a decode step of {len(first_decode.seqs)} sequences pickled: "
@@ -135,16 +167,19 @@ def real(steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["fake", "tiny", "real"])
+    parser.add_argument("what", choices=["fake", "inputs", "tiny", "real"])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.what == "real":
         real(args.steps)
-    elif args.what == "fake":
-        streams_64(args.steps, None)
-    else:
+    elif args.what == "tiny":
         with tempfile.TemporaryDirectory() as tmp:
-            streams_64(args.steps, tiny_llama(Path(tmp)))
+            streams_64(args.steps, "tiny", tiny_llama(Path(tmp)))
+    else:
+        streams_64(args.steps, args.what)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,11 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.sequence import Request
 from pagedllm.core.sequence import Sequence as Seq
 from pagedllm.engine.config import EngineConfig
@@ -33,6 +34,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.batch_tables import BatchTables, ListTableStore
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
@@ -404,3 +406,34 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_runner_rows_take_the_lowest_free_row_and_apply_changes_in_place() -> None:
+    """The runner's copy of the tables (the fake runner's lists and the real runner's
+    tensors): appended ids extend a row, whole tables replace it, gone sequences free
+    their rows, and a new sequence takes the lowest free row."""
+
+    def seq(seq_id: int, ids: tuple[int, ...], whole: bool) -> ScheduledSeq:
+        return ScheduledSeq("r", seq_id, (1,), 0, (ids,), True, replaces_tables=whole)
+
+    def step(*seqs: ScheduledSeq, finished: tuple[int, ...] = (), preempted=()) -> SchedulerOutput:
+        return SchedulerOutput(seqs, {}, (), (), finished, preempted)
+
+    store = ListTableStore(1)
+    tables = BatchTables(1, store)
+    batch = InputBatch(1, rows=1, entries=1)
+    steps = [
+        step(seq(10, (4, 5), True), seq(11, (6,), True), seq(12, (7, 8, 9), True)),
+        step(seq(10, (), False), seq(11, (3,), False), seq(12, (2,), True)),
+        step(seq(13, (1,), True), finished=(10,), preempted=(11,)),
+        step(seq(12, (), False), seq(14, (5, 5), True), seq(13, (), False)),
+    ]
+    rows = [tables.apply(s) for s in steps]
+    gathered = [batch.step_tables(s)[0].tolist() for s in steps]
+    assert rows == [[0, 1, 2], [0, 1, 2], [0], [2, 1, 0]]
+    assert gathered[1] == [[4, 5], [6, 3], [2, 0]]  # zeros past each table
+    assert gathered[3] == [[2, 0], [5, 5], [1, 0]]  # row 1 was cleared for 14
+    assert tables.row_of == batch.mirror.row_of == {12: 2, 13: 0, 14: 1}
+    assert [tables.tables_of(i) for i in (12, 13, 14)] == [((2,),), ((1,),), ((5, 5),)]
+    with pytest.raises(RuntimeError, match="no tables of it"):
+        tables.apply(step(seq(15, (1,), False)))
