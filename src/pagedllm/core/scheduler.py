@@ -111,9 +111,9 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self._preempted_seq_ids: list[int] = []
-        # Sequence id -> its tables' rewrites and entries, per group, when last scheduled:
+        # Sequence id -> (rewrites, entries) of each group's table when last scheduled:
         # what the runner's copy holds.
-        self._sent_tables: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._sent_tables: dict[int, list[tuple[int, int]]] = {}
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -390,12 +390,14 @@ class Scheduler:
         appended since it last ran, or the whole tables (True) when it has none or an
         entry changed in place since (a truncation counts as such a change)."""
         groups = self.kv.tables[seq_id].groups
-        rewrites = tuple(t.num_rewrites for t in groups)
+        now = [(t.num_rewrites, len(t.blocks)) for t in groups]
         sent = self._sent_tables.get(seq_id)
-        self._sent_tables[seq_id] = (rewrites, tuple(len(t.blocks) for t in groups))
-        if sent is None or sent[0] != rewrites:
+        if now == sent:  # most decode steps: nothing new
+            return ((),) * len(groups), False
+        self._sent_tables[seq_id] = now
+        if sent is None or any(n[0] != was[0] for n, was in zip(now, sent, strict=True)):
             return tuple(tuple(t.blocks) for t in groups), True
-        return tuple(tuple(t.blocks[n:]) for t, n in zip(groups, sent[1], strict=True)), False
+        return tuple(tuple(t.blocks[was[1] :]) for t, was in zip(groups, sent, strict=True)), False
 
     def _free(self, seq_id: int) -> None:
         """Give the sequence's blocks back; the runner's copy of its tables is forgotten."""
