@@ -42,7 +42,6 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
-from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 
 BLOCK_SIZE = 16
@@ -91,6 +90,10 @@ class InputsRunner(FakeModelRunner):
     """The fake runner, building the real runner's inputs of each step first."""
 
     def __init__(self) -> None:
+        # Imported here: the other modes run on an engine from before the persistent
+        # batch too, for before-and-after figures.
+        from pagedllm.worker.input_batch import InputBatch
+
         super().__init__(ModelSpec(32000, 65536, (0,)), token=1)
         self.input_batch = InputBatch(1)
 
