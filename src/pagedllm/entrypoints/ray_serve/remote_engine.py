@@ -42,6 +42,11 @@ LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 class RemoteEngine:
     """An EngineClient (engine/engine_client.py) over engine replicas."""
 
+    config: EngineConfig
+    tokenizer: Any
+    max_model_len: int
+    healthy: bool
+
     def __init__(
         self, handle: Any, config: EngineConfig, tokenizer: Any, max_model_len: int
     ) -> None:
@@ -49,27 +54,11 @@ class RemoteEngine:
         replicas' (each enforces its own limits, max_waiting among them); `tokenizer`:
         loaded in this process, for templating and tokenizing off the replicas."""
         self.handle = handle
-        self._config = config
-        self._tokenizer = tokenizer
-        self._max_model_len = max_model_len
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.healthy = True  # Ray Serve replaces a replica that dies
         self._snapshots: dict[str, EngineSnapshot] = {}
-
-    @property
-    def config(self) -> EngineConfig:
-        return self._config
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def healthy(self) -> bool:
-        """Always: Ray Serve replaces a replica that dies (see the module's docstring)."""
-        return True
 
     def start(self) -> None:
         """The replicas run their own loops: nothing to start here."""
