@@ -24,6 +24,7 @@ TORCH_FREE = [
     "errors.py",
     "bounded_json.py",
     "cache_root.py",
+    "validation.py",
     "spec/__init__.py",
     "spec/ngram.py",
     "spec/config.py",
@@ -36,8 +37,9 @@ ALLOWED: dict[str, set[str] | str] = {
     "errors": set(),
     "bounded_json": set(),
     "cache_root": set(),
-    "sampling_params": {"errors", "bounded_json"},
-    "kv": {"errors"},
+    "validation": {"errors"},  # the one integer check, for every layer
+    "sampling_params": {"errors", "bounded_json", "validation"},
+    "kv": {"errors", "validation"},
     "core": {"kv", "errors", "sampling_params"},
     "kernels": {"errors", "cache_root"},
     "attention": {"kernels", "errors"},
@@ -52,11 +54,12 @@ ALLOWED: dict[str, set[str] | str] = {
         "errors",
         "sampling_params",
         "structured",
+        "validation",
     },
     # structured output's grammars (xgrammar): the engine imports them lazily
     "structured": {"errors", "sampling_params"},
     # speculative decoding: proposers and their config (the verifier runs in the worker)
-    "spec": {"errors", "sampling_params"},
+    "spec": {"errors", "sampling_params", "validation"},
     "engine": {
         "core",
         "kv",
@@ -66,6 +69,7 @@ ALLOWED: dict[str, set[str] | str] = {
         "sampling_params",
         "structured",
         "spec",
+        "validation",
     },
     "entrypoints": EVERYTHING,
     "bench": EVERYTHING,

@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from pagedllm.validation import is_int
+
 # The fields each kind of event carries, by how they are checked.
 EVENT_FIELDS: dict[str, dict[str, str]] = {
     "alloc": {"seq": "id", "req": "req", "blocks": "blocks", "tokens": "count"},
@@ -41,13 +43,13 @@ class _Checker:
         self.num_blocks = num_blocks
 
     def id(self, value: Any, where: str) -> None:
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"{where} must be a whole number >= 0, got {_show(value)}")
 
     count = id  # token counts and indexes: the same rule as ids
 
     def block(self, value: Any, where: str) -> None:
-        if not _is_int(value) or not 0 <= value < self.num_blocks:
+        if not is_int(value) or not 0 <= value < self.num_blocks:
             raise ValueError(
                 f"{where} must be a block id in [0, {self.num_blocks}), got {_show(value)}"
             )
@@ -137,13 +139,9 @@ def check_trace(trace: Mapping[str, Any]) -> None:
             c.event(event, f"{where}.ev[{j}]")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     # json.loads reads NaN and Infinity, which JSON in the page could not hold.
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def _dict(value: Any, where: str) -> dict[str, Any]:
