@@ -18,8 +18,9 @@ from typing import Any
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_recorder import owners_of
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.kv_view.trace_check import EVENT_FIELDS, check_event
+from pagedllm.entrypoints.kv_view.trace_check import check_event
 from pagedllm.errors import InvalidParameterError
+from pagedllm.kv.events import EVENT_FIELDS
 from pagedllm.kv.pool_state import PoolState
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
@@ -92,7 +93,7 @@ def check_against_manager(engine: LLMEngine, state: PoolState) -> None:
 
 def check_fields(events: list[dict[str, Any]], num_blocks: int) -> None:
     """Each event passes the trace checker (what the replay page draws) and carries
-    exactly the fields of the checker's table for its kind: a field the recorder adds or
+    exactly the fields of kv/events.py's table for its kind: a field the recorder adds or
     drops without the checker knowing fails here."""
     for event in events:
         check_event(event, num_blocks)

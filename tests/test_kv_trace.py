@@ -19,7 +19,10 @@ import pytest
 
 from pagedllm.engine.kv_trace import load_trace
 from pagedllm.entrypoints.cli import main
+from pagedllm.entrypoints.kv_view import page as page_module
+from pagedllm.entrypoints.kv_view.page import render
 from pagedllm.entrypoints.kv_view.trace_check import check_trace
+from pagedllm.kv.events import EVENT_FIELDS
 from pagedllm.kv.pool_state import PoolState
 
 
@@ -213,3 +216,20 @@ def test_a_missing_event_field_is_named(text_trace: dict[str, Any]) -> None:
     del trace["records"][i]["ev"][j]["index"]
     with pytest.raises(ValueError, match=re.escape(f"records[{i}].ev[{j}].index is missing")):
         check_trace(trace)
+
+
+def test_the_pages_script_reads_the_event_table() -> None:
+    """The page carries kv/events.py's table of event fields, and the script's replay and
+    log read no field of an event that its kind's row lacks."""
+    page = render("live")
+    config = json.loads(re.search(r'id="kv-config">(.*?)</script>', page).group(1))
+    assert config["events"] == {kind: list(fields) for kind, fields in EVENT_FIELDS.items()}
+    script = (Path(page_module.__file__).parent / "static" / "kv_view.js").read_text()
+    for opening in ("apply(ev) {", "function describe(e) {"):
+        body = script[script.index(opening) :]
+        cases = body[: body.index("default:")].split('case "')[1:]
+        assert len(cases) >= 12, opening
+        for case in cases:
+            kind = case[: case.index('"')]
+            used = set(re.findall(r"\be\.(\w+)", case))
+            assert used <= {"k", "g", *EVENT_FIELDS[kind]}, (opening, kind, used)

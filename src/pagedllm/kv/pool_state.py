@@ -3,7 +3,7 @@
 It holds what the KV view draws: each physical block's reference count and whether it
 is prefix-cached, each live table (its request, blocks and claimed slots), and, derived
 from the tables, each block's fill and owners. `PoolState.of(manager)` reads a manager;
-`apply(event)` replays one event (kv/events.py), so replaying a run's events from the
+`apply(event)` replays one event (kv/events.py `EVENT_FIELDS`), so replaying a run's events from the
 state it started in must give `PoolState.of` the manager at the end: the tests check
 exactly that, and the page's script replays the same way. Tables are keyed by
 (sequence, layer group); an entry given back behind a window is -1.
@@ -68,7 +68,7 @@ class PoolState:
 
     # ------------------------------------------------------------------ replay
     def apply(self, event: Event) -> None:
-        """Replay one event (see kv/events.py for what each kind means)."""
+        """Replay one event (kv/events.py `EVENT_FIELDS` says what each kind means)."""
         kind = event["k"]
         key = (event.get("seq"), event.get("g", 0))
         if kind == "alloc":
