@@ -87,7 +87,7 @@ def test_the_routers_hashes_are_the_managers(block_size: int, prompt_len: int) -
     prompt = [(7 * i) % 97 + 1 for i in range(prompt_len)]
     assert kv.allocate_slots(0, prompt_len)
     kv.cache_computed_blocks(0, prompt, prompt_len)
-    _, hashes = kv.find_cached_prefix(prompt)
+    hashes = list(kv.lookup_prefix([prompt])[0].hashes)
     assert hashes == prompt_block_hashes(prompt, block_size)
     assert len(hashes) == (prompt_len - 1) // block_size
     parent = b""

@@ -24,6 +24,7 @@ from pagedllm.entrypoints.kv_view.page import render
 from pagedllm.entrypoints.kv_view.trace_check import check_trace
 from pagedllm.kv.events import EVENT_FIELDS
 from pagedllm.kv.pool_state import PoolState
+from pool_replay import pool_from_json, replay
 
 
 def generate(model: Path, trace: Path, *args: str) -> dict[str, Any]:
@@ -38,11 +39,11 @@ def generate(model: Path, trace: Path, *args: str) -> dict[str, Any]:
     return loaded
 
 
-def replay(trace: dict[str, Any]) -> tuple[PoolState, Counter[str]]:
-    state = PoolState.from_json(trace["start"]["pool"])
+def replay_trace(trace: dict[str, Any]) -> tuple[PoolState, Counter[str]]:
+    state = pool_from_json(trace["start"]["pool"])
     kinds: Counter[str] = Counter()
     for record in trace["records"]:
-        state.apply_all(record["ev"])
+        replay(state, record["ev"])
         kinds.update(e["k"] for e in record["ev"])
     return state, kinds
 
@@ -56,7 +57,7 @@ def test_trace_of_shared_blocks(tmp_path: Path, tiny_llama_dir: Path, args, widt
     assert trace["meta"]["text"] is False
     steps = [r["step"] for r in trace["records"]]
     assert steps == sorted(steps) and steps[0] == trace["start"]["step"] + 1
-    state, kinds = replay(trace)
+    state, kinds = replay_trace(trace)
     assert not state.tables and not any(state.ref)  # everything was freed
     assert kinds["fork"] >= 2 * (width - 1) and kinds["cow"] > 0  # both prompts forked
     assert kinds["finish"] == 2
@@ -233,3 +234,13 @@ def test_the_pages_script_reads_the_event_table() -> None:
             kind = case[: case.index('"')]
             used = set(re.findall(r"\be\.(\w+)", case))
             assert used <= {"k", "g", *EVENT_FIELDS[kind]}, (opening, kind, used)
+
+
+def test_the_docs_list_the_event_table() -> None:
+    """docs/kv-view.md's table of events names exactly each kind's fields."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kv-view.md").read_text()
+    rows = re.findall(r"^\| (`\w+`(?: / `\w+`)*) \|([\w ]*)\|", doc, re.MULTILINE)
+    documented = {
+        kind.strip("`"): fields.split() for kinds, fields in rows for kind in kinds.split(" / ")
+    }
+    assert documented == {kind: list(fields) for kind, fields in EVENT_FIELDS.items()}

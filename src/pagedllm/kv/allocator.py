@@ -143,15 +143,6 @@ class BlockAllocator:
             self._fill[block] = num_tokens
 
     # ------------------------------------------------------------ prefix cache
-    def lookup(
-        self, parent_hash: bytes, token_ids: Sequence[int], group: int = 0
-    ) -> tuple[int, bytes] | None:
-        """The cached block of `group` holding exactly these tokens after this parent,
-        and its hash."""
-        block_hash = hash_block(parent_hash, token_ids)
-        block = self.cached_block(group, block_hash, parent_hash, token_ids)
-        return None if block is None else (block, block_hash)
-
     def cached_block(
         self, group: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int]
     ) -> int | None:

@@ -39,11 +39,6 @@ class KVUsage:
         return self.used_blocks * self.block_size
 
     @property
-    def empty_slots(self) -> int:
-        """Slots reserved but holding no token: internal fragmentation."""
-        return self.reserved_slots - self.tokens_stored
-
-    @property
     def utilization(self) -> float:
         """Tokens stored / slots reserved (1.0 for an empty pool)."""
         return self.tokens_stored / self.reserved_slots if self.reserved_slots else 1.0
@@ -122,12 +117,6 @@ class KVCacheManager:
         return max(held, self.num_groups * -(-reserve_tokens // self.block_size))
 
     # --------------------------------------------------------------- prefix cache
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """The first group's table entries of the longest usable cached prefix, and the
-        blocks' hashes (see `lookup_prefix`)."""
-        (hit,) = self.lookup_prefix([token_ids])
-        return list(hit.tables[0]), list(hit.hashes)
-
     def lookup_prefix(self, token_ids: Sequence[Sequence[int]]) -> list[CachedPrefix]:
         """The longest prefix of full blocks that every one of these sequences (one
         request's) can take from the prefix cache, as each sequence's hit.

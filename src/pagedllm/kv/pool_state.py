@@ -11,7 +11,7 @@ exactly that, and the page's script replays the same way. Tables are keyed by
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,20 +49,6 @@ class PoolState:
             )
             for seq_id, seq in kv.tables.items()
             for g, t in enumerate(seq.groups)
-        }
-        return state
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> PoolState:
-        """The inverse of `to_json` (fill and owners are derived again)."""
-        state = cls(int(data["num_blocks"]), int(data["block_size"]))
-        state.ref = [int(r) for r in data["ref"]]
-        state.cached = [bool(c) for c in data["cached"]]
-        state.tables = {
-            (int(t["seq"]), int(t.get("g", 0))): TableState(
-                t["req"], [int(b) for b in t["blocks"]], int(t["tokens"])
-            )
-            for t in data["seqs"]
         }
         return state
 
@@ -121,11 +107,6 @@ class PoolState:
         elif kind == "reset":
             self.cached = [False] * self.num_blocks
         # preempt, finish, abort and text change no block.
-
-    def apply_all(self, events: Iterable[Event]) -> PoolState:
-        for event in events:
-            self.apply(event)
-        return self
 
     # ----------------------------------------------------------------- derived
     def fill(self) -> list[int]:
