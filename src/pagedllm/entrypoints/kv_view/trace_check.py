@@ -4,9 +4,9 @@ page expects, so that a crafted or damaged file is refused with the field named
 
 `load_trace` (engine/kv_trace.py) checks the file's format and version; this checks the
 contents: the start snapshot's pool and figures, each record's step and figures, and
-each event's fields by kind (kv/events.py). Block ids must lie in the pool; a table's
-entries may also be -1 (the null block behind a sliding window), and table events of a
-layer group other than the first carry its index `g`.
+each event's fields by kind, by the rules of kv/events.py's `EVENT_FIELDS`. Block ids
+must lie in the pool; a table's entries may also be -1 (the null block behind a sliding
+window), and table events of a layer group other than the first carry its index `g`.
 """
 
 from __future__ import annotations
@@ -15,26 +15,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from pagedllm.kv.events import EVENT_FIELDS
 from pagedllm.validation import is_int
 
-# The fields each kind of event carries, by how they are checked.
-EVENT_FIELDS: dict[str, dict[str, str]] = {
-    "alloc": {"seq": "id", "req": "req", "blocks": "blocks", "tokens": "count"},
-    "append": {"seq": "id", "req": "req", "tokens": "count"},
-    "hit": {"seq": "id", "req": "req", "blocks": "entries"},
-    "cow": {"seq": "id", "req": "req", "index": "count", "src": "block", "dst": "block"},
-    "fork": {"seq": "id", "req": "req", "parent": "id"},
-    "free": {"seq": "id", "req": "req", "blocks": "entries"},
-    "drop": {"seq": "id", "req": "req", "upto": "count", "blocks": "blocks"},
-    "trim": {"seq": "id", "req": "req", "tokens": "count", "blocks": "blocks", "la": "count"},
-    "cache": {"block": "block"},
-    "evict": {"block": "block"},
-    "reset": {},
-    "preempt": {"req": "req"},
-    "finish": {"req": "req"},
-    "abort": {"req": "req"},
-    "text": {"block": "block", "text": "text"},
-}
 _POOL_LISTS = ("ref", "cached", "fill")
 
 
