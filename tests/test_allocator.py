@@ -7,6 +7,7 @@ import pytest
 
 from pagedllm.errors import NoFreeBlocksError
 from pagedllm.kv.allocator import BlockAllocator
+from pagedllm.kv.block_hash import hash_block
 from pagedllm.kv.block_table import BlockTable
 
 
@@ -91,16 +92,23 @@ def test_fork_at_a_block_boundary_needs_no_copy() -> None:
     assert parent.append_slots(9) == [] and parent.blocks == [0, 1, 3]
 
 
+def lookup(a: BlockAllocator, parent_hash: bytes, token_ids: list[int]) -> tuple[int, bytes] | None:
+    """The cached block holding exactly these tokens after this parent, and its hash."""
+    block_hash = hash_block(parent_hash, token_ids)
+    block = a.cached_block(0, block_hash, parent_hash, token_ids)
+    return None if block is None else (block, block_hash)
+
+
 def test_prefix_cache_lookup_confirms_tokens_and_evicts_lru() -> None:
     a = BlockAllocator(4)
     blocks = a.allocate_many(3)  # [0, 1, 2]
     h0 = a.register(0, b"", [1, 2])
     h1 = a.register(1, h0, [3, 4])
     a.register(2, b"", [9, 9])
-    assert a.lookup(b"", [1, 2]) == (0, h0)
-    assert a.lookup(h0, [3, 4]) == (1, h1)
-    assert a.lookup(h0, [3, 5]) is None  # different tokens
-    assert a.lookup(b"", [3, 4]) is None  # same tokens, different parent
+    assert lookup(a, b"", [1, 2]) == (0, h0)
+    assert lookup(a, h0, [3, 4]) == (1, h1)
+    assert lookup(a, h0, [3, 5]) is None  # different tokens
+    assert lookup(a, b"", [3, 4]) is None  # same tokens, different parent
     for b in blocks:
         a.free(b)
     # Cached blocks wait behind uncached block 3, least recently freed first.
@@ -112,15 +120,13 @@ def test_prefix_cache_lookup_confirms_tokens_and_evicts_lru() -> None:
     assert a.free_block_ids() == [3, 0, 2, 1]
     assert a.allocate() == 3  # the worthless block goes first
     assert a.allocate() == 0  # then the LRU cached block, whose hash is forgotten
-    assert a.lookup(b"", [1, 2]) is None
+    assert lookup(a, b"", [1, 2]) is None
     assert a.num_evictions == 1 and a.num_cached_blocks == 2
 
 
-def test_hash_collision_cannot_hand_out_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedllm.kv.allocator as allocator_module
-
-    monkeypatch.setattr(allocator_module, "hash_block", lambda parent, tokens: b"same")
+def test_hash_collision_cannot_hand_out_other_tokens() -> None:
     a = BlockAllocator(2)
-    a.register(a.allocate(), b"", [1, 2])
-    assert a.lookup(b"", [1, 2]) is not None
-    assert a.lookup(b"", [7, 7]) is None  # same hash, other tokens: a miss
+    block_hash = a.register(a.allocate(), b"", [1, 2])
+    assert a.cached_block(0, block_hash, b"", [1, 2]) == 0
+    # Other tokens under the same hash (a collision): a miss, never block 0's K/V.
+    assert a.cached_block(0, block_hash, b"", [7, 7]) is None

@@ -103,7 +103,7 @@ def test_build_makes_the_engine_on_the_loop_thread(tiny_llama_dir: Path) -> None
 
     with pytest.raises(ValueError, match="no model here"):
         AsyncLLMEngine.build(fail)
-    with pytest.raises(ValueError, match="max_waiting must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="max_waiting must be an integer >= 0, got -1"):
         AsyncLLMEngine.build(fail, max_waiting=-1)  # refused before building anything
 
 

@@ -24,7 +24,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--block-size", "0", "x"], "block_size must be in [1, 256], got 0"),
+        (["--block-size", "0", "x"], "block_size must be an integer in [1, 256], got 0"),
         (["--max-tokens", "-3", "x"], "max_tokens must be an integer >= 1, got -3"),
         (["--model", "/no/such/model", "x"], "model path /no/such/model does not exist"),
         (["--kv-cache-memory", "lots", "x"], "kv_cache_memory must be a byte count"),
@@ -57,9 +57,12 @@ def test_bad_engine_option_exits_2_with_one_line_from_the_shell() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--max-request-bytes", "0"], "max_request_bytes must be >= 1, got 0"),
+        (["--max-request-bytes", "0"], "max_request_bytes must be an integer >= 1, got 0"),
         (["--body-timeout", "nan"], "body_timeout must be > 0 seconds, got nan"),
-        (["--max-prompts-per-request", "0"], "max_prompts_per_request must be >= 1, got 0"),
+        (
+            ["--max-prompts-per-request", "0"],
+            "max_prompts_per_request must be an integer >= 1, got 0",
+        ),
         (["--shutdown-timeout", "-1"], "shutdown_timeout must be a finite number of seconds >= 0"),
         (["--shutdown-timeout", "inf"], "shutdown_timeout must be a finite number of seconds"),
         (["--shutdown-timeout", "nan"], "shutdown_timeout must be a finite number of seconds"),

@@ -105,7 +105,7 @@ def test_over_long_and_oversized_requests_are_rejected(tiny_llama_dir) -> None:
         r"exceeds max_model_len \(64\)",
         "the pool has 8 usable blocks",
         "the pool has 8 usable blocks",
-        r"must be integers in \[0, 127\], got 500",
+        r"prompt token id must be an integer in \[0, 127\], got 500",
         "at least one token",
         r"\[0, 127\]",
         r"\[0, 127\]",

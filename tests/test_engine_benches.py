@@ -195,7 +195,7 @@ def test_serve_bench_against_a_live_server(tmp_path: Path, capsys) -> None:
 def test_list_options_and_sweeps(tiny_llama_dir: Path, tmp_path: Path, capsys) -> None:
     base = ["bench", "block-size", "--model", str(tiny_llama_dir), "--out", str(tmp_path)]
     assert main([*base, "--block-sizes", "8,512"]) == 2
-    assert "block_size must be in [1, 256], got 512" in capsys.readouterr().err
+    assert "block_size must be an integer in [1, 256], got 512" in capsys.readouterr().err
     assert main([*base, "--block-sizes", "8", "--block-size", "16"]) == 2
     assert "give --block-sizes or --block-size, not both" in capsys.readouterr().err
 

@@ -20,6 +20,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import KV_CACHE_EXCEEDED, InvalidParameterError
+from pagedllm.kv.attention_kinds import FullAttention, SlidingWindow
 from pagedllm.kv.groups import KVGroupSpec, group_layers, kv_bytes_per_sequence
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.worker.fake_runner import FakeModelRunner
@@ -39,21 +40,26 @@ def test_group_layers_of_gemma3_270m() -> None:
     assert groups[0].layers == (5, 11, 17)
     assert groups[1].layers == (0, 1, 2) and groups[5].layers == (14, 15, 16)
     assert sorted(layer for g in groups for layer in g.layers) == list(range(18))
-    assert group_layers(windows, 18, hybrid=False) == (KVGroupSpec(None, tuple(range(18))),)
+    assert group_layers(windows, 18, hybrid=False) == (
+        KVGroupSpec(FullAttention(), tuple(range(18))),
+    )
 
 
 def test_one_kind_is_one_group() -> None:
-    assert group_layers(None, 4) == (KVGroupSpec(None, (0, 1, 2, 3)),)
-    assert group_layers([8, 8], 2) == (KVGroupSpec(8, (0, 1)),)  # Mistral: one window group
+    assert group_layers(None, 4) == (KVGroupSpec(FullAttention(), (0, 1, 2, 3)),)
+    # Mistral: one window group
+    assert group_layers([8, 8], 2) == (KVGroupSpec(SlidingWindow(8), (0, 1)),)
 
 
 def test_group_spec_is_validated() -> None:
     with pytest.raises(ValueError, match="window"):
-        KVGroupSpec(0, (0,))
+        SlidingWindow(0)
+    with pytest.raises(ValueError, match="AttentionKind"):
+        KVGroupSpec(8, (0,))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least one layer"):
-        KVGroupSpec(None, ())
+        KVGroupSpec(FullAttention(), ())
     with pytest.raises(ValueError, match="distinct"):
-        KVGroupSpec(None, (1, 1))
+        KVGroupSpec(FullAttention(), (1, 1))
 
 
 def test_hybrid_holds_less_per_long_sequence() -> None:
@@ -69,7 +75,11 @@ def test_hybrid_holds_less_per_long_sequence() -> None:
 # ---------------------------------------------------------- bookkeeping
 def manager(num_blocks: int = 16) -> KVCacheManager:
     """Block size 4, a full group and a window group of 8 tokens."""
-    return KVCacheManager(num_blocks, 4, groups=(KVGroupSpec(None, (1,)), KVGroupSpec(W, (0,))))
+    return KVCacheManager(
+        num_blocks,
+        4,
+        groups=(KVGroupSpec(FullAttention(), (1,)), KVGroupSpec(SlidingWindow(W), (0,))),
+    )
 
 
 def grow(kv: KVCacheManager, seq_id: int, tokens: list[int], start: int, end: int) -> None:

@@ -28,7 +28,7 @@ from pagedllm.engine.kv_event_publisher import KVEventPublisher
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.engine_args import engine_config
 from pagedllm.errors import InvalidParameterError
-from pagedllm.kv.allocator import hash_block
+from pagedllm.kv.block_hash import hash_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

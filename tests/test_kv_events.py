@@ -9,21 +9,26 @@ the snapshot agrees with the manager block by block. Nobody listening means no l
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import json
 import random
+import textwrap
 from collections import Counter
 from typing import Any
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_recorder import owners_of
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.kv_view.trace_check import EVENT_FIELDS, check_event
+from pagedllm.entrypoints.kv_view.trace_check import check_event
 from pagedllm.errors import InvalidParameterError
+from pagedllm.kv.events import EVENT_FIELDS
 from pagedllm.kv.pool_state import PoolState
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.runner import ModelSpec
+from pool_replay import pool_from_json, replay
 
 VOCAB = 50
 EOS = 0
@@ -92,7 +97,7 @@ def check_against_manager(engine: LLMEngine, state: PoolState) -> None:
 
 def check_fields(events: list[dict[str, Any]], num_blocks: int) -> None:
     """Each event passes the trace checker (what the replay page draws) and carries
-    exactly the fields of the checker's table for its kind: a field the recorder adds or
+    exactly the fields of kv/events.py's table for its kind: a field the recorder adds or
     drops without the checker knowing fails here."""
     for event in events:
         check_event(event, num_blocks)
@@ -125,7 +130,7 @@ def run(
         if i == attach_at:
             recorder = engine.record_kv(records.append)
             start = recorder.snapshot()
-            state = PoolState.from_json(start["pool"])
+            state = pool_from_json(start["pool"])
         if rng.random() < 0.5:
             prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 6))]
             with contextlib.suppress(InvalidParameterError):
@@ -137,7 +142,7 @@ def run(
         if state is not None:
             for record in records:
                 check_fields(record["ev"], engine.kv.num_blocks)
-                state.apply_all(record["ev"])
+                replay(state, record["ev"])
                 kinds.update(kinds_of(record["ev"]))
             records.clear()
             check_against_manager(engine, state)
@@ -147,7 +152,7 @@ def run(
     assert state is not None
     for record in records:
         check_fields(record["ev"], engine.kv.num_blocks)
-        state.apply_all(record["ev"])
+        replay(state, record["ev"])
         kinds.update(kinds_of(record["ev"]))
     check_against_manager(engine, state)
     assert not state.tables and not any(state.ref)
@@ -219,7 +224,7 @@ def test_trim_events_of_a_scripted_check() -> None:
     engine = LLMEngine(config, runner=runner)
     records: list[dict[str, Any]] = []
     recorder = engine.record_kv(records.append)
-    state = PoolState.from_json(recorder.snapshot()["pool"])
+    state = pool_from_json(recorder.snapshot()["pool"])
     engine.add_request("a", [7, 8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -254,7 +259,7 @@ def test_trim_events_of_a_scripted_check() -> None:
         ],
     ]
     for record in records:
-        state.apply_all(record["ev"])
+        replay(state, record["ev"])
     assert state == PoolState.of(engine.kv) and not any(state.ref)
 
 
@@ -362,3 +367,31 @@ def test_snapshot_lists_requests_and_figures() -> None:
     seqs = {s["seq"]: s for s in snap["pool"]["seqs"]}
     assert {seqs[s]["req"] for s in requests["a"]["seqs"]} == {"a"}
     json.dumps(snap)
+
+
+def test_the_python_replay_reads_the_event_table() -> None:
+    """PoolState.apply reads no field of an event that its kind's row in kv/events.py's
+    table lacks, and replays every kind that changes the pool."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(PoolState.apply)))
+    replayed = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if not (isinstance(test, ast.Compare) and getattr(test.left, "id", "") == "kind"):
+            continue
+        kind = test.comparators[0].value  # `kind == "alloc"`
+        replayed.add(kind)
+        used = {
+            sub.slice.value
+            for branch in node.body
+            for sub in ast.walk(branch)
+            if isinstance(sub, ast.Subscript) and getattr(sub.value, "id", "") == "event"
+        }
+        used |= {
+            call.args[0].value
+            for branch in node.body
+            for call in ast.walk(branch)
+            if isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "get"
+        }
+        assert used <= set(EVENT_FIELDS[kind]), (kind, used)
+    notes = {"preempt", "finish", "abort", "text"}  # they change no block
+    assert replayed == set(EVENT_FIELDS) - notes

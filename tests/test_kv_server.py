@@ -30,6 +30,7 @@ from pagedllm.kv.pool_state import PoolState
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.runner import ModelSpec
+from pool_replay import pool_from_json, replay
 
 KEY = {"Authorization": "Bearer s3cret"}
 
@@ -101,17 +102,17 @@ def follow(
 ) -> tuple[PoolState, set[str]]:
     """From the `first` snapshot, apply a stream's messages until it reaches `until_step`;
     the pool and the kinds of event seen."""
-    state = PoolState.from_json(first["pool"])
+    state = pool_from_json(first["pool"])
     kinds: set[str] = set()
     step = first["step"]
     for kind, data in messages:
         if kind == "snapshot":
-            state = PoolState.from_json(data["pool"])
+            state = pool_from_json(data["pool"])
             step = data["step"]
         elif kind == "update":
             for record in data["records"]:
                 assert record["step"] >= step
-                state.apply_all(record["ev"])
+                replay(state, record["ev"])
                 kinds.update(e["k"] for e in record["ev"])
                 step = record["step"]
         if step >= until_step:
@@ -145,7 +146,7 @@ def test_events_stream_rebuilds_the_pool(server: LiveServer) -> None:
         thread.join()
         final = httpx.get(server.url + "/kv/snapshot").json()
         state, kinds = follow(first, messages, final["step"])
-    assert state == PoolState.from_json(final["pool"])
+    assert state == pool_from_json(final["pool"])
     assert {"alloc", "fork", "cow", "hit", "free", "finish"} <= kinds
 
 

@@ -19,8 +19,12 @@ import pytest
 
 from pagedllm.engine.kv_trace import load_trace
 from pagedllm.entrypoints.cli import main
+from pagedllm.entrypoints.kv_view import page as page_module
+from pagedllm.entrypoints.kv_view.page import render
 from pagedllm.entrypoints.kv_view.trace_check import check_trace
+from pagedllm.kv.events import EVENT_FIELDS
 from pagedllm.kv.pool_state import PoolState
+from pool_replay import pool_from_json, replay
 
 
 def generate(model: Path, trace: Path, *args: str) -> dict[str, Any]:
@@ -35,11 +39,11 @@ def generate(model: Path, trace: Path, *args: str) -> dict[str, Any]:
     return loaded
 
 
-def replay(trace: dict[str, Any]) -> tuple[PoolState, Counter[str]]:
-    state = PoolState.from_json(trace["start"]["pool"])
+def replay_trace(trace: dict[str, Any]) -> tuple[PoolState, Counter[str]]:
+    state = pool_from_json(trace["start"]["pool"])
     kinds: Counter[str] = Counter()
     for record in trace["records"]:
-        state.apply_all(record["ev"])
+        replay(state, record["ev"])
         kinds.update(e["k"] for e in record["ev"])
     return state, kinds
 
@@ -53,7 +57,7 @@ def test_trace_of_shared_blocks(tmp_path: Path, tiny_llama_dir: Path, args, widt
     assert trace["meta"]["text"] is False
     steps = [r["step"] for r in trace["records"]]
     assert steps == sorted(steps) and steps[0] == trace["start"]["step"] + 1
-    state, kinds = replay(trace)
+    state, kinds = replay_trace(trace)
     assert not state.tables and not any(state.ref)  # everything was freed
     assert kinds["fork"] >= 2 * (width - 1) and kinds["cow"] > 0  # both prompts forked
     assert kinds["finish"] == 2
@@ -213,3 +217,30 @@ def test_a_missing_event_field_is_named(text_trace: dict[str, Any]) -> None:
     del trace["records"][i]["ev"][j]["index"]
     with pytest.raises(ValueError, match=re.escape(f"records[{i}].ev[{j}].index is missing")):
         check_trace(trace)
+
+
+def test_the_pages_script_reads_the_event_table() -> None:
+    """The page carries kv/events.py's table of event fields, and the script's replay and
+    log read no field of an event that its kind's row lacks."""
+    page = render("live")
+    config = json.loads(re.search(r'id="kv-config">(.*?)</script>', page).group(1))
+    assert config["events"] == {kind: list(fields) for kind, fields in EVENT_FIELDS.items()}
+    script = (Path(page_module.__file__).parent / "static" / "kv_view.js").read_text()
+    for opening in ("apply(ev) {", "function describe(e) {"):
+        body = script[script.index(opening) :]
+        cases = body[: body.index("default:")].split('case "')[1:]
+        assert len(cases) >= 12, opening
+        for case in cases:
+            kind = case[: case.index('"')]
+            used = set(re.findall(r"\be\.(\w+)", case))
+            assert used <= {"k", "g", *EVENT_FIELDS[kind]}, (opening, kind, used)
+
+
+def test_the_docs_list_the_event_table() -> None:
+    """docs/kv-view.md's table of events names exactly each kind's fields."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kv-view.md").read_text()
+    rows = re.findall(r"^\| (`\w+`(?: / `\w+`)*) \|([\w ]*)\|", doc, re.MULTILINE)
+    documented = {
+        kind.strip("`"): fields.split() for kinds, fields in rows for kind in kinds.split(" / ")
+    }
+    assert documented == {kind: list(fields) for kind, fields in EVENT_FIELDS.items()}

@@ -2,7 +2,8 @@
 engine loop (engine/) and the runner interface are plain Python without torch, in their
 imports and in their type annotations; model/ never reaches into scheduling, blocks or the
 engine; each package imports only the packages below it (ALLOWED), lazily or not, so
-that layers point one way; no two modules import each other, even lazily."""
+that layers point one way; no two modules import each other, even lazily; only the
+engine reads its scheduler and its block pool (everything else reads its snapshots)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ TORCH_FREE = [
     "errors.py",
     "bounded_json.py",
     "cache_root.py",
+    "validation.py",
     "spec/__init__.py",
     "spec/ngram.py",
     "spec/config.py",
@@ -37,8 +39,9 @@ ALLOWED: dict[str, set[str] | str] = {
     "errors": set(),
     "bounded_json": set(),
     "cache_root": set(),
-    "sampling_params": {"errors", "bounded_json"},
-    "kv": {"errors"},
+    "validation": {"errors"},  # the one integer check, for every layer
+    "sampling_params": {"errors", "bounded_json", "validation"},
+    "kv": {"errors", "validation"},
     "core": {"kv", "errors", "sampling_params"},
     "kernels": {"errors", "cache_root"},
     "attention": {"kernels", "errors"},
@@ -53,11 +56,12 @@ ALLOWED: dict[str, set[str] | str] = {
         "errors",
         "sampling_params",
         "structured",
+        "validation",
     },
     # structured output's grammars (xgrammar): the engine imports them lazily
     "structured": {"errors", "sampling_params"},
     # speculative decoding: proposers and their config (the verifier runs in the worker)
-    "spec": {"errors", "sampling_params"},
+    "spec": {"errors", "sampling_params", "validation"},
     "engine": {
         "core",
         "kv",
@@ -67,6 +71,7 @@ ALLOWED: dict[str, set[str] | str] = {
         "sampling_params",
         "structured",
         "spec",
+        "validation",
     },
     "entrypoints": EVERYTHING,
     "bench": EVERYTHING,
@@ -153,6 +158,35 @@ def test_the_worker_takes_only_plain_data_from_the_scheduler() -> None:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pagedllm.core"):
                 names = {a.name for a in node.names}
                 assert names == {"SchedulerOutput"}, f"{path.relative_to(SRC)} imports {names}"
+
+
+# The engine's insides: the scheduler and the block pool, by the classes and by the
+# attributes that hold them (`engine.scheduler`, `engine.kv`, `kv.allocator`).
+ENGINE_INSIDES = {
+    "pagedllm.core.scheduler.Scheduler",
+    "pagedllm.kv.manager.KVCacheManager",
+    "pagedllm.kv.allocator",
+    "pagedllm.kv.block_table.BlockTable",
+    "pagedllm.kv.sequence_blocks",
+}
+ENGINE_INSIDE_ATTRIBUTES = {"scheduler", "kv", "allocator"}
+HOLDS_THE_INSIDES = {"engine", "core", "kv"}
+
+
+@pytest.mark.parametrize("part", sorted(set(ALLOWED) - HOLDS_THE_INSIDES))
+def test_only_the_engine_reads_the_scheduler_and_the_pool(part: str) -> None:
+    for path in SRC.rglob("*.py"):
+        if part_of(path) != part:
+            continue
+        names = imports_in(path)
+        inside = {n for n in names if any(n == i or n.startswith(i + ".") for i in ENGINE_INSIDES)}
+        assert not inside, f"{path.relative_to(SRC)} imports {inside}: read the engine's snapshot"
+        attributes = {
+            node.attr
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INSIDE_ATTRIBUTES
+        }
+        assert not attributes, f"{path.relative_to(SRC)} reads .{attributes}: read a snapshot"
 
 
 def test_no_import_cycles_between_modules() -> None:

@@ -16,6 +16,7 @@ pytest.importorskip("ray.serve")
 
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.ray_serve import remote_engine
 from pagedllm.entrypoints.ray_serve.remote_engine import RemoteEngine
 from pagedllm.errors import EngineOverloadedError, InvalidParameterError, RequestFailedError
@@ -69,7 +70,7 @@ def no_resend_delay(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def engine(calls: list[StandInCall]) -> tuple[RemoteEngine, StandInHandle]:
     handle = StandInHandle(calls)
-    return RemoteEngine(handle, view=None), handle  # type: ignore[arg-type]
+    return RemoteEngine(handle, EngineConfig(), None, 0), handle
 
 
 def test_a_request_that_found_a_dead_replica_is_sent_again() -> None:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from xgrammar.testing import _is_grammar_accept_string
 
 from live_server import CHAT, NAME, LiveServer, check_error
-from pagedllm.engine.prompts import encode_chat
+from pagedllm.entrypoints.server.chat_template import encode_chat
 from pagedllm.entrypoints.server.tools import tool_use
 
 WEATHER = {

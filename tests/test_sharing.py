@@ -183,13 +183,12 @@ def test_prefix_cache_evicts_least_recently_used_first() -> None:
     kv.free(1)
     # Tails first, so a prefix's head outlives its tail; uncached block 2 and 5 lead.
     assert kv.allocator.free_block_ids() == [5, 2, 1, 0, 4, 3]
-    hit_blocks, _ = kv.find_cached_prefix(a)
-    assert hit_blocks == [0, 1]
+    assert kv.lookup_prefix([a])[0].tables == ((0, 1),)
     assert kv.allocate_slots(2, 2) and kv.table(2).blocks == [5]
     assert kv.allocate_slots(3, 2) and kv.table(3).blocks == [2]
     assert kv.allocate_slots(4, 2) and kv.table(4).blocks == [1]  # evicts a's second block
-    assert kv.find_cached_prefix(a)[0] == [0]
-    assert kv.find_cached_prefix(b)[0] == [3, 4]
+    assert kv.lookup_prefix([a])[0].tables == ((0,),)
+    assert kv.lookup_prefix([b])[0].tables == ((3, 4),)
 
 
 def test_cached_tokens_are_counted_at_first_admission_and_kept_after_preemption(

@@ -9,7 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedllm.engine.chat_tools import hermes_tools_block, render_for_template, template_reads
+from pagedllm.entrypoints.server.chat_template import (
+    hermes_tools_block,
+    render_for_template,
+    template_reads,
+)
 from pagedllm.entrypoints.server.tool_parsers import (
     HermesToolParser,
     ParsedCall,

@@ -12,35 +12,24 @@ from __future__ import annotations
 
 import json as _json
 import math
-import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.bounded_json import JSONTooDeepError, check_depth, loads
 from pagedllm.errors import InvalidParameterError
+from pagedllm.validation import INT64_MAX, INT64_MIN, check_int, is_int, shown
 
 MAX_LOGPROBS = 20
-INT64_MAX = 2**63 - 1  # every integer a client sends must fit the kernels' int64
 # A temperature below this is greedy: dividing logits by it overflows float32 (the
 # vLLM rule).
 GREEDY_TEMPERATURE = 1e-5
-
-
-# A client's value quoted in a message: a container is shown a few levels and items deep
-# (repr would recurse through all of it, and fail on one nested a thousand deep).
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel = 4
-_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = 20
-_SHOWN.maxstring = _SHOWN.maxother = 80
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
         if _too_big(value):
             allowed += " (integers must fit in 64 bits)"
-        shown = _SHOWN.repr(value) if isinstance(value, (list, tuple, dict)) else repr(value)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        raise InvalidParameterError(name, f"{name} must be {allowed}, got {shown}")
+        raise InvalidParameterError(name, f"{name} must be {allowed}, got {shown(value)}")
 
 
 def _too_big(value: object) -> bool:
@@ -50,13 +39,9 @@ def _too_big(value: object) -> bool:
         item = stack.pop()
         if isinstance(item, (dict, list, tuple)):
             stack.extend(item)
-        elif isinstance(item, int) and not -INT64_MAX - 1 <= item <= INT64_MAX:
+        elif isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:
             return True
     return False
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and -INT64_MAX - 1 <= x <= INT64_MAX
 
 
 def _is_num(x: object) -> bool:
@@ -227,14 +212,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        check_int(self.n, "n", min=1)
         if self.best_of is not None:
-            _check(
-                _is_int(self.best_of) and self.best_of >= self.n,
-                "best_of",
-                f"an integer >= n ({self.n})",
-                self.best_of,
-            )
+            check_int(self.best_of, "best_of", min=self.n, allowed=f"an integer >= n ({self.n})")
         _check(
             _is_num(self.temperature) and self.temperature >= 0,
             "temperature",
@@ -243,15 +223,16 @@ class SamplingParams:
         )
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         # A top_k at or above the vocabulary keeps every token, as -1 does.
-        _check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
-            "top_k",
-            "-1 or 0 (disabled) or an integer >= 1 (at or above the vocabulary: every token)",
+        check_int(
             self.top_k,
+            "top_k",
+            min=-1,
+            allowed="-1 or 0 (disabled) or an integer >= 1 "
+            "(at or above the vocabulary: every token)",
         )
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         if self.seed is not None:
-            _check(_is_int(self.seed), "seed", "an integer or None", self.seed)
+            check_int(self.seed, "seed", allowed="an integer or None")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(_is_num(v) and -2 <= v <= 2, name, "in [-2, 2]", v)
@@ -262,26 +243,17 @@ class SamplingParams:
             self.repetition_penalty,
         )
         if self.max_tokens is not None:
-            _check(
-                _is_int(self.max_tokens) and self.max_tokens >= 1,
-                "max_tokens",
-                "an integer >= 1",
-                self.max_tokens,
-            )
+            check_int(self.max_tokens, "max_tokens", min=1)
         upper = self.max_tokens if self.max_tokens is not None else "inf"
-        _check(
-            _is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or 1 << 62),
-            "min_tokens",
-            f"an integer in [0, max_tokens={upper}]",
+        check_int(
             self.min_tokens,
+            "min_tokens",
+            min=0,
+            max=self.max_tokens,
+            allowed=f"an integer in [0, max_tokens={upper}]",
         )
         if self.logprobs is not None:
-            _check(
-                _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
-                "logprobs",
-                f"an integer in [0, {MAX_LOGPROBS}]",
-                self.logprobs,
-            )
+            check_int(self.logprobs, "logprobs", min=0, max=MAX_LOGPROBS)
         stop = self.stop
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         _check(
@@ -293,7 +265,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", stops)
         ids = tuple(self.stop_token_ids or ())
         _check(
-            all(_is_int(t) and t >= 0 for t in ids),
+            all(is_int(t) and t >= 0 for t in ids),
             "stop_token_ids",
             "a list of token ids >= 0",
             self.stop_token_ids,
@@ -303,7 +275,7 @@ class SamplingParams:
             bias = self.logit_bias
             _check(
                 isinstance(bias, dict)
-                and all(_is_int(t) and t >= 0 for t in bias)
+                and all(is_int(t) and t >= 0 for t in bias)
                 and all(_is_num(v) and -100 <= v <= 100 for v in bias.values()),
                 "logit_bias",
                 "a map of token ids >= 0 to values in [-100, 100]",
@@ -355,18 +327,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(
-            _is_int(self.beam_width) and self.beam_width >= 1,
-            "beam_width",
-            "an integer >= 1",
-            self.beam_width,
-        )
-        _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
-            "max_tokens",
-            "an integer >= 1",
-            self.max_tokens,
-        )
+        check_int(self.beam_width, "beam_width", min=1)
+        check_int(self.max_tokens, "max_tokens", min=1)
         _check(
             _is_num(self.length_penalty), "length_penalty", "a finite number", self.length_penalty
         )

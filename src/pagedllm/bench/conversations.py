@@ -19,6 +19,7 @@ from typing import Any
 
 from pagedllm.bench.output import distribution
 from pagedllm.errors import InvalidParameterError
+from pagedllm.validation import check_int
 
 DATA = Path(__file__).with_name("data")
 
@@ -33,8 +34,7 @@ class ChatWorkloadSpec:
 
     def __post_init__(self) -> None:
         for name in ("conversations", "turns", "passage_words", "output_len"):
-            if getattr(self, name) < 1:
-                raise InvalidParameterError(name, f"{name} must be >= 1")
+            check_int(getattr(self, name), name, min=1)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench.workload import BenchRequest
-from pagedllm.engine.prompts import encode_chat
+from pagedllm.entrypoints.server.chat_template import encode_chat
 from pagedllm.errors import InvalidParameterError
 
 logger = logging.getLogger("pagedllm")

@@ -76,11 +76,12 @@ def concurrent_sequences(
         engine.step()
         steps += 1
         peak = max(peak, engine.snapshot().num_running_seqs)
+    end = engine.snapshot()
     return {
         "hybrid": hybrid,
-        "kv_blocks": engine.kv.num_blocks,
+        "kv_blocks": end.usage.num_blocks,
         "peak_running_seqs": peak,
-        "preemptions": engine.scheduler.num_preemptions,
+        "preemptions": end.num_preemptions,
         "steps": steps,
     }
 

@@ -28,8 +28,8 @@ from pagedllm.bench.output import write_outputs
 from pagedllm.bench.sweep import engine_over_runner
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.prompts import encode_chat
 from pagedllm.entrypoints.engine_args import engine_options
+from pagedllm.entrypoints.server.chat_template import encode_chat
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.quantization_choice import resolve_quantization

@@ -28,10 +28,11 @@ from pagedllm.bench.datasets import COPY_CHARS, shipped_paragraphs
 from pagedllm.bench.output import Plot, ratio, write_outputs
 from pagedllm.bench.sweep import build_engine
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.prompts import encode_chat
 from pagedllm.entrypoints.engine_args import engine_options
+from pagedllm.entrypoints.server.chat_template import encode_chat
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.validation import check_int
 
 DATA = Path(__file__).parent / "data"
 WORKLOADS = ("copy", "chat")
@@ -238,8 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = args.streams or (SWEEP_STREAMS if args.sweep else [1, 8, 64])
     per_stream = args.requests_per_stream
     for name, value in (("streams", min(counts)), ("requests_per_stream", per_stream)):
-        if value < 1:
-            raise InvalidParameterError(name, f"{name} must be >= 1, got {value}")
+        check_int(value, name, min=1)
     off_opts, spec = spec_options(args)
     label = (
         f"ngram k={spec['num_speculative_tokens']} lookup "

@@ -37,11 +37,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.engine_client import PromptRequest
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.validation import check_int
 
 logger = logging.getLogger("pagedllm")
 T = TypeVar("T")
@@ -107,6 +110,10 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
+    """An EngineClient (engine/engine_client.py) over an LLMEngine in this process."""
+
+    snapshot: EngineSnapshot
+
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
         _check_max_waiting(max_waiting)
         self.engine = engine
@@ -120,7 +127,7 @@ class AsyncLLMEngine:
         self._paused = False
         self._grammar_threads: ThreadPoolExecutor | None = None  # started at first use
         self._draining = False
-        self.snapshot: EngineSnapshot = engine.snapshot()
+        self.snapshot = engine.snapshot()
 
     @classmethod
     def build(
@@ -147,6 +154,18 @@ class AsyncLLMEngine:
         if isinstance(result, BaseException):
             raise result
         return result
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     @property
     def is_running(self) -> bool:
@@ -231,7 +250,7 @@ class AsyncLLMEngine:
 
     async def add_requests(
         self,
-        requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]],
+        requests: Sequence[PromptRequest],
         arrival_time: float | None = None,
         grammar_param: str | None = None,
     ) -> RequestStream:
@@ -419,8 +438,8 @@ class AsyncLLMEngine:
 
 
 def _check_max_waiting(max_waiting: int | None) -> None:
-    if max_waiting is not None and max_waiting < 0:
-        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    if max_waiting is not None:
+        check_int(max_waiting, "max_waiting", min=0)
 
 
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:

@@ -17,6 +17,7 @@ from pagedllm.engine.kv_event_access import CurveKeys, publisher_keys
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.block_table import check_block_size
 from pagedllm.spec.config import SpeculativeConfig, speculative_config_from
+from pagedllm.validation import check_int
 from pagedllm.worker.options import RunnerOptions
 
 _UNITS = {
@@ -41,12 +42,6 @@ def parse_size(value: int | str, param: str = "kv_cache_memory") -> int:
             param, f"{param} must be a byte count like '256MiB' or '2GB', got {value!r}"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def _at_least(config: EngineConfig, name: str, low: int) -> None:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidParameterError(name, f"{name} must be an integer >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -108,10 +103,10 @@ class EngineConfig:
                 "kv_cache_memory", f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            _at_least(self, name, 1)
+            check_int(getattr(self, name), name, min=1)
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
-                _at_least(self, name, 1)
+                check_int(getattr(self, name), name, min=1)
         spec = self.speculative_config  # before the runner's options: its messages first
         self.runner_options  # noqa: B018 - built now, so that its own checks run at creation
         check_policy(self.kv_reservation)

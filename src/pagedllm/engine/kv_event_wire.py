@@ -10,7 +10,7 @@ and an event is a tagged array whose first element names its kind:
   ["AllBlocksCleared"]
 
 Block hashes are pagedllm's own: the first 16 bytes of the chained sha256 of
-kv/allocator.py's `hash_block` (msgpack bin, not vLLM's ints), with the chain starting
+kv/block_hash.py's `hash_block` (msgpack bin, not vLLM's ints), with the chain starting
 from the empty parent b"" (sent as `parent_block_hash` nil). A BlockStored carries the
 token ids of all its blocks (`block_size` each, in order, each block the parent of the
 next), so a subscriber can check or rebuild every hash: `hash_block(parent or b"",

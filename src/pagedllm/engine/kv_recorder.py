@@ -2,9 +2,10 @@
 
 `LLMEngine.record_kv(sink)` makes one: a step listener (engine/listeners.py) that also
 hears the block manager's and allocator's hooks (kv/events.py). It knows which request
-each sequence serves, notes preemptions, finishes and aborts, and hands `sink` one record
-per step: `{"step": n, "ev": [events], "st": {figures}}`. Events between two steps (an
-abort) go out with the next step's start, under the number of the step before them.
+each sequence serves, notes preemptions, finishes and aborts (each event with its kind's
+fields in kv/events.py `EVENT_FIELDS`), and hands `sink` one record per step:
+`{"step": n, "ev": [events], "st": {figures}}`. Events between two steps (an abort) go
+out with the next step's start, under the number of the step before them.
 Everything runs on the engine's thread and the sink must not block: the server's feed
 drops the record in a bounded ring, a trace appends it to a list. `close()` stops it.
 
@@ -116,26 +117,11 @@ class KVRecorder(StepListener):
     # --------------------------------------------------- the manager's hooks
     def on_admitted(self, seq_id: int, table: TableView, num_hits: int, group: int = 0) -> None:
         req = self._request_of(seq_id)
-        g = _group_field(group)
         if num_hits:
-            self._events.append(
-                {
-                    "k": "hit",
-                    "seq": seq_id,
-                    "req": req,
-                    **g,
-                    "blocks": _json_blocks(self.kv, table.blocks[:num_hits]),
-                }
-            )
-        self._events.append(
-            {
-                "k": "alloc",
-                "seq": seq_id,
-                "req": req,
-                **g,
-                "blocks": table.blocks[num_hits:],
-                "tokens": table.num_tokens,
-            }
+            blocks = _json_blocks(self.kv, table.blocks[:num_hits])
+            self._table_event("hit", seq_id, req, group, blocks=blocks)
+        self._table_event(
+            "alloc", seq_id, req, group, blocks=table.blocks[num_hits:], tokens=table.num_tokens
         )
         self._length[seq_id, group] = len(table.blocks)
         self._seen_tokens[seq_id, group] = table.num_tokens
@@ -146,30 +132,19 @@ class KVRecorder(StepListener):
         self, seq_id: int, table: TableView, copies: list[tuple[int, int]], group: int = 0
     ) -> None:
         req = self._owner.get(seq_id)
-        g = _group_field(group)
         key = (seq_id, group)
         old_tokens = self._seen_tokens.get(key, 0)
         for src, dst in copies:
             index = table.blocks.index(dst)
-            self._events.append(
-                {"k": "cow", "seq": seq_id, "req": req, **g, "index": index, "src": src, "dst": dst}
-            )
+            self._table_event("cow", seq_id, req, group, index=index, src=src, dst=dst)
         old_length = self._length.get(key, 0)
         if len(table.blocks) > old_length:
-            self._events.append(
-                {
-                    "k": "alloc",
-                    "seq": seq_id,
-                    "req": req,
-                    **g,
-                    "blocks": table.blocks[old_length:],
-                    "tokens": table.num_tokens,
-                }
+            new_blocks = table.blocks[old_length:]
+            self._table_event(
+                "alloc", seq_id, req, group, blocks=new_blocks, tokens=table.num_tokens
             )
         elif table.num_tokens != old_tokens:
-            self._events.append(
-                {"k": "append", "seq": seq_id, "req": req, **g, "tokens": table.num_tokens}
-            )
+            self._table_event("append", seq_id, req, group, tokens=table.num_tokens)
         else:
             return
         self._length[key] = len(table.blocks)
@@ -182,24 +157,14 @@ class KVRecorder(StepListener):
         req = self._owner.get(parent_id)
         if req is not None:
             self._owner[child_id] = req
-        self._events.append(
-            {"k": "fork", "seq": child_id, "req": req, **_group_field(group), "parent": parent_id}
-        )
+        self._table_event("fork", child_id, req, group, parent=parent_id)
         self._length[child_id, group] = len(table.blocks)
         self._seen_tokens[child_id, group] = table.num_tokens
         self._tokens[child_id] = table.num_tokens
 
     def on_freed(self, seq_id: int, table: TableView, group: int = 0) -> None:
-        req = self._owner.get(seq_id)
-        self._events.append(
-            {
-                "k": "free",
-                "seq": seq_id,
-                "req": req,
-                **_group_field(group),
-                "blocks": _json_blocks(self.kv, table.blocks),
-            }
-        )
+        blocks = _json_blocks(self.kv, table.blocks)
+        self._table_event("free", seq_id, self._owner.get(seq_id), group, blocks=blocks)
         self._length.pop((seq_id, group), None)
         self._seen_tokens.pop((seq_id, group), None)
         if group == self.kv.num_groups - 1:  # the sequence's last table
@@ -211,31 +176,21 @@ class KVRecorder(StepListener):
         self, seq_id: int, table: TableView, dropped: list[tuple[int, int]], group: int = 0
     ) -> None:
         upto = max(i for i, _ in dropped) + 1
-        self._events.append(
-            {
-                "k": "drop",
-                "seq": seq_id,
-                "req": self._owner.get(seq_id),
-                **_group_field(group),
-                "upto": upto,
-                "blocks": [b for _, b in dropped],
-            }
-        )
+        blocks = [b for _, b in dropped]
+        self._table_event("drop", seq_id, self._owner.get(seq_id), group, upto=upto, blocks=blocks)
 
     def on_trimmed(
         self, seq_id: int, table: TableView, given_back: list[int], lookahead: int, group: int = 0
     ) -> None:
         key = (seq_id, group)
-        self._events.append(
-            {
-                "k": "trim",
-                "seq": seq_id,
-                "req": self._owner.get(seq_id),
-                **_group_field(group),
-                "tokens": table.num_tokens,
-                "blocks": given_back[::-1],  # in table order: they left it last first
-                "la": lookahead,
-            }
+        self._table_event(
+            "trim",
+            seq_id,
+            self._owner.get(seq_id),
+            group,
+            tokens=table.num_tokens,
+            blocks=given_back[::-1],  # in table order: they left it last first
+            la=lookahead,
         )
         self._length[key] = len(table.blocks)
         self._seen_tokens[key] = table.num_tokens
@@ -243,6 +198,15 @@ class KVRecorder(StepListener):
             self._tokens[seq_id] = table.num_tokens
 
     # ---------------------------------------------------------------- helpers
+    def _table_event(
+        self, kind: str, seq_id: int, req: str | None, group: int, **fields: Any
+    ) -> None:
+        """One event of a sequence's table in `group`, with its kind's fields (kv/events.py
+        `EVENT_FIELDS`): `g` only for a group other than the first, so a model of one
+        kind's events carry none."""
+        g = {"g": group} if group else {}
+        self._events.append({"k": kind, "seq": seq_id, "req": req, **g, **fields})
+
     def _seen(self, kv: KVCacheManager) -> None:
         """Take the tables that exist now as the starting point."""
         self._owner = owners_of(self.scheduler)
@@ -293,11 +257,6 @@ class KVRecorder(StepListener):
 
     def _decode(self, token_ids: Iterable[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids)))
-
-
-def _group_field(group: int) -> dict[str, int]:
-    """The `g` of a table event: none for group 0 (a one-kind model's events unchanged)."""
-    return {"g": group} if group else {}
 
 
 def _json_blocks(kv: KVCacheManager, blocks: Sequence[int]) -> list[int]:

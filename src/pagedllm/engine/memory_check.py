@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.errors import ModelLoadError
-from pagedllm.kv.groups import group_layers, group_size, has_window
+from pagedllm.kv.groups import group_layers, group_size, needs_null_block
 
 if TYPE_CHECKING:
     from pagedllm.loader.memory_estimate import MemoryEstimate, ModelHeader
@@ -36,7 +36,7 @@ def kv_pool_bytes(config: EngineConfig, header: ModelHeader) -> int:
         model.layer_windows, model.num_hidden_layers, not config.disable_hybrid_kv_cache_manager
     )
     block_bytes = -(-per_block * group_size(groups) // model.num_hidden_layers)
-    return (config.kv_blocks(block_bytes) + has_window(groups)) * block_bytes
+    return (config.kv_blocks(block_bytes) + needs_null_block(groups)) * block_bytes
 
 
 def estimate(config: EngineConfig, header: ModelHeader, quantization: str) -> MemoryEstimate:

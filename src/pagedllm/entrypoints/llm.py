@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.prompts import encode_chat
+from pagedllm.entrypoints.server.chat_template import encode_chat
 from pagedllm.errors import InvalidParameterError
 from pagedllm.loader import LoadedModel
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams

@@ -7,17 +7,17 @@ else (an eviction). Uncached free blocks go to the front of the queue and cached
 the back, so the least recently used cached block is evicted first and only once no
 worthless block is left. With several layer groups (kv/groups.py) each group caches its
 own blocks: the cache is keyed by (group, chained hash), the hash itself the same for
-every group.
+every group (kv/block_hash.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.errors import NoFreeBlocksError
+from pagedllm.kv.block_hash import hash_block
 from pagedllm.kv.events import PoolListener
 
 
@@ -29,13 +29,6 @@ class CachedBlock:
     parent_hash: bytes
     token_ids: tuple[int, ...]
     group: int = 0  # the layer group whose K/V the block holds
-
-
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of a full block: its parent's hash and its own token ids."""
-    h = hashlib.sha256(parent_hash)
-    h.update(b",".join(str(t).encode() for t in token_ids))
-    return h.digest()[:16]
 
 
 class BlockAllocator:
@@ -150,15 +143,6 @@ class BlockAllocator:
             self._fill[block] = num_tokens
 
     # ------------------------------------------------------------ prefix cache
-    def lookup(
-        self, parent_hash: bytes, token_ids: Sequence[int], group: int = 0
-    ) -> tuple[int, bytes] | None:
-        """The cached block of `group` holding exactly these tokens after this parent,
-        and its hash."""
-        block_hash = hash_block(parent_hash, token_ids)
-        block = self.cached_block(group, block_hash, parent_hash, token_ids)
-        return None if block is None else (block, block_hash)
-
     def cached_block(
         self, group: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int]
     ) -> int | None:

@@ -9,22 +9,16 @@ block, an id outside the pool that holds nothing and that no kernel reads.
 
 from __future__ import annotations
 
-from pagedllm.errors import InvalidParameterError, NoFreeBlocksError
+from pagedllm.errors import NoFreeBlocksError
 from pagedllm.kv.allocator import BlockAllocator
+from pagedllm.validation import check_int
 
 MAX_BLOCK_SIZE = 256
 
 
 def check_block_size(block_size: int) -> None:
     """The one rule for block sizes, shared by the engine, its CLI and the benches."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise InvalidParameterError(
-            "block_size", f"block_size must be an integer, got {block_size!r}"
-        )
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise InvalidParameterError(
-            "block_size", f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}"
-        )
+    check_int(block_size, "block_size", min=1, max=MAX_BLOCK_SIZE)
 
 
 class BlockTable:

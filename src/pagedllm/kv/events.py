@@ -6,41 +6,13 @@ is one `if self.listener is not None:` after an operation has succeeded, so an e
 nobody watches tests one attribute per operation and builds nothing. Hooks hand over
 live objects (a block table, a block id); the listener copies what it needs at once.
 
-A listener turns the hooks into events: plain JSON-ready dicts, `{"k": kind, ...}`.
-Replaying them in order from the pool they started from gives the pool exactly
-(kv/pool_state.py does it in Python, the page's script in the browser):
-
-  kind     fields                        what happened
-  alloc    seq req blocks tokens         `blocks` (fresh, reference count 1) join the end
-                                         of seq's table, which now claims `tokens` slots;
-                                         a seq not seen before starts a table
-  append   seq req tokens                the table claims more slots in blocks it has
-  hit      seq req blocks                a new table starts with these prefix-cached
-                                         blocks (reference counts +1); `alloc` follows
-  cow      seq req index src dst         copy-on-write: logical block `index` moves from
-                                         the shared `src` to the fresh `dst` (a copy)
-  fork     seq req parent                a new table sharing every block of `parent`'s
-  free     seq req blocks                the table is gone (reference counts -1)
-  drop     seq req upto blocks           a sliding-window table gave back `blocks`: its
-                                         entries before `upto` are now the null block
-                                         (-1 here; reference counts -1)
-  trim     seq req tokens blocks la      a check of proposals ended (speculative
-                                         decoding): the table had claimed `la` lookahead
-                                         slots for them, its last ones; it now claims
-                                         `tokens` slots (the kept proposals'), and
-                                         `blocks`, which held only rejected proposals,
-                                         left its end for the pool (reference counts -1)
-  cache    block                         the block's full content joins the prefix cache
-  evict    block                         a cached free block is reused: its entry is gone
-  reset                                  the prefix cache forgot every entry
-  preempt  req                           the request's tables were freed to make room; it
-                                         waits to be recomputed
-  finish   req                           the request ended (all its sequences done)
-  abort    req                           the request was aborted
-  text     block text                    (only when text is asked for) the block's tokens
-
+A listener turns the hooks into events: plain JSON-ready dicts, `{"k": kind, ...}`, with
+exactly the fields `EVENT_FIELDS` below names for their kind, where it also says what
+each kind means. Replaying them in order from the pool they started from gives the pool
+exactly (kv/pool_state.py does it in Python, the KV view's script in the browser, and
+the trace checker of entrypoints/kv_view checks a file's events against the same table).
 A model with several layer groups (kv/groups.py) has one table per sequence and group:
-the table events of group g > 0 carry `"g": g` (none: group 0, the only group of a
+the table events of group g > 0 carry `"g": g` too (none: group 0, the only group of a
 model of one kind).
 
 Events of one engine step are grouped in a record `{"step": n, "ev": [...], "st": {...}}`
@@ -52,6 +24,49 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 Event = dict[str, Any]
+
+# Each kind's fields (besides "k", and "g" on a table event of a layer group g > 0), each
+# with the rule its value follows: id, a sequence id; req, a request id (or None); count,
+# a whole number; block, a pool block id; blocks, pool block ids; entries, a table's
+# entries (pool block ids, or -1 for the null block behind a window); text, a string.
+EVENT_FIELDS: dict[str, dict[str, str]] = {
+    # `blocks` (fresh, reference count 1) join the end of seq's table, which now claims
+    # `tokens` slots; a seq not seen before starts a table.
+    "alloc": {"seq": "id", "req": "req", "blocks": "blocks", "tokens": "count"},
+    # The table claims more slots in blocks it has.
+    "append": {"seq": "id", "req": "req", "tokens": "count"},
+    # A new table starts with these prefix-cached blocks (reference counts +1); an
+    # `alloc` follows.
+    "hit": {"seq": "id", "req": "req", "blocks": "entries"},
+    # Copy-on-write: logical block `index` moves from the shared `src` to the fresh `dst`.
+    "cow": {"seq": "id", "req": "req", "index": "count", "src": "block", "dst": "block"},
+    # A new table sharing every block of `parent`'s.
+    "fork": {"seq": "id", "req": "req", "parent": "id"},
+    # The table is gone (reference counts -1).
+    "free": {"seq": "id", "req": "req", "blocks": "entries"},
+    # A table of a kind that gives blocks back (a sliding window) gave back `blocks`: its
+    # entries before `upto` are now the null block (reference counts -1).
+    "drop": {"seq": "id", "req": "req", "upto": "count", "blocks": "blocks"},
+    # A check of proposals ended (speculative decoding): the table had claimed `la`
+    # lookahead slots for them, its last ones; it now claims `tokens` slots (the kept
+    # proposals'), and `blocks`, which held only rejected proposals, left its end for
+    # the pool (reference counts -1).
+    "trim": {"seq": "id", "req": "req", "tokens": "count", "blocks": "blocks", "la": "count"},
+    # The block's full content joins the prefix cache.
+    "cache": {"block": "block"},
+    # A cached free block is reused: its entry is gone.
+    "evict": {"block": "block"},
+    # The prefix cache forgot every entry.
+    "reset": {},
+    # The request's tables were freed to make room; it waits to be recomputed.
+    "preempt": {"req": "req"},
+    # The request ended (all its sequences done).
+    "finish": {"req": "req"},
+    # The request was aborted.
+    "abort": {"req": "req"},
+    # (Only when text is asked for) the block's tokens.
+    "text": {"block": "block", "text": "text"},
+}
 
 
 class TableView(Protocol):

@@ -1,6 +1,7 @@
 """Layer groups: which layers share one block table, and how many blocks a group holds.
 
-Layers are grouped by attention kind (full attention, or a sliding window of W tokens).
+Layers are grouped by attention kind (kv/attention_kinds.py: full attention, or a
+sliding window of W tokens).
 All groups draw on one pool with one page size, so every group has the same number of
 layers (`group_size`, the gcd of the per-kind layer counts): a kind with more layers is
 split into several groups. Physical block b then holds K/V of `group_size` layers, and
@@ -15,34 +16,28 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedllm.kv.attention_kinds import AttentionKind, FullAttention, attention_kind
+
 
 @dataclass(frozen=True)
 class KVGroupSpec:
-    """One group: the layers sharing a block table, and their window (None: full)."""
+    """One group: the layers sharing a block table, and their attention kind."""
 
-    window: int | None
+    kind: AttentionKind
     layers: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.window is not None and (
-            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
-        ):
-            raise ValueError(f"a group's window must be None or >= 1 token, got {self.window!r}")
+        if not isinstance(self.kind, AttentionKind):
+            raise ValueError(f"a group's kind must be an AttentionKind, got {self.kind!r}")
         if not self.layers:
             raise ValueError("a layer group needs at least one layer")
         if len(set(self.layers)) != len(self.layers) or min(self.layers) < 0:
             raise ValueError(f"a group's layers must be distinct indices >= 0, got {self.layers}")
 
-    def blocks_held(self, num_tokens: int, block_size: int, chunk: int) -> int:
-        """Blocks the group holds at most for a sequence of `num_tokens` tokens computed
-        `chunk` tokens a step: all of them under full attention; with a window, those
-        covering the window of the chunk's first token through the chunk's end."""
-        every = -(-num_tokens // block_size)
-        if self.window is None:
-            return every
-        # Keys from s - W + 1 to s + chunk - 1 for a chunk at s: W - 1 + chunk tokens,
-        # which may start anywhere in a block.
-        return min(every, -(-(self.window - 1 + chunk) // block_size) + 1)
+    @property
+    def window(self) -> int | None:
+        """The group's window (None: full attention), as the engine's figures show it."""
+        return self.kind.window
 
 
 def group_layers(
@@ -58,7 +53,7 @@ def group_layers(
     if len(windows) != num_layers:
         raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
     if not hybrid:
-        return (KVGroupSpec(None, tuple(range(num_layers))),)
+        return (KVGroupSpec(FullAttention(), tuple(range(num_layers))),)
     kinds: dict[int | None, list[int]] = {}
     if None in windows:
         kinds[None] = []
@@ -66,7 +61,7 @@ def group_layers(
         kinds.setdefault(window, []).append(layer)
     size = math.gcd(*(len(layers) for layers in kinds.values()))
     return tuple(
-        KVGroupSpec(window, tuple(layers[i : i + size]))
+        KVGroupSpec(attention_kind(window), tuple(layers[i : i + size]))
         for window, layers in kinds.items()
         for i in range(0, len(layers), size)
     )
@@ -80,9 +75,9 @@ def group_size(groups: Sequence[KVGroupSpec]) -> int:
     return sizes.pop()
 
 
-def has_window(groups: Sequence[KVGroupSpec]) -> bool:
-    """Whether some group drops blocks behind a window (and so needs the null block)."""
-    return any(g.window is not None for g in groups)
+def needs_null_block(groups: Sequence[KVGroupSpec]) -> bool:
+    """Whether some group gives back leading blocks (their entries are the null block)."""
+    return any(g.kind.drops_blocks for g in groups)
 
 
 def kv_bytes_per_sequence(
@@ -96,5 +91,5 @@ def kv_bytes_per_sequence(
     tokens a step (default: one token, a decode), at `layer_token_bytes` bytes of K and V
     per token and layer."""
     chunk = 1 if chunk is None else chunk
-    blocks = sum(g.blocks_held(num_tokens, block_size, chunk) for g in groups)
+    blocks = sum(g.kind.blocks_held(num_tokens, block_size, chunk) for g in groups)
     return blocks * block_size * group_size(groups) * layer_token_bytes

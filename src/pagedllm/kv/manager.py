@@ -3,8 +3,8 @@
 It answers the scheduler's questions in block terms (can this sequence grow by n
 tokens? which cached prefix can a new request reuse?) and reports the pool's usage:
 the figures the engine exposes at every step. Each sequence has one table per layer
-group (kv/groups.py); a sliding-window group gives its blocks behind the window back as
-the sequence grows, and its prefix-cache hits need only the window's blocks.
+group (kv/groups.py); each group's attention kind (kv/attention_kinds.py) says which
+leading blocks it gives back as the sequence grows and which a prefix-cache hit needs.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedllm.kv.allocator import BlockAllocator, hash_block
+from pagedllm.kv.allocator import BlockAllocator
+from pagedllm.kv.attention_kinds import FullAttention
+from pagedllm.kv.block_hash import hashed_blocks, reusable_blocks
 from pagedllm.kv.block_table import BlockTable, check_block_size
 from pagedllm.kv.events import KVListener
-from pagedllm.kv.groups import KVGroupSpec, has_window
+from pagedllm.kv.groups import KVGroupSpec, needs_null_block
 from pagedllm.kv.sequence_blocks import CachedPrefix, SequenceBlocks
 
 
@@ -35,11 +37,6 @@ class KVUsage:
     @property
     def reserved_slots(self) -> int:
         return self.used_blocks * self.block_size
-
-    @property
-    def empty_slots(self) -> int:
-        """Slots reserved but holding no token: internal fragmentation."""
-        return self.reserved_slots - self.tokens_stored
 
     @property
     def utilization(self) -> float:
@@ -71,12 +68,13 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks
         self.groups: tuple[KVGroupSpec, ...] = (
-            tuple(groups) if groups else (KVGroupSpec(None, (0,)),)
+            tuple(groups) if groups else (KVGroupSpec(FullAttention(), (0,)),)
         )
-        self.windows = tuple(g.window for g in self.groups)
+        self.kinds = tuple(g.kind for g in self.groups)
+        self.windows = tuple(k.window for k in self.kinds)
         # The id past the pool that stands for blocks given back behind a window: never
         # handed out, freed or counted; the worker's cache holds one extra block for it.
-        self.null_block: int | None = num_blocks if has_window(self.groups) else None
+        self.null_block: int | None = num_blocks if needs_null_block(self.groups) else None
         self.tables: dict[int, SequenceBlocks] = {}
         self.num_dropped_blocks = 0  # table entries given back behind a window, ever
         self._pending_copies: list[tuple[int, int]] = []
@@ -115,31 +113,24 @@ class KVCacheManager:
         computed `chunk` tokens a step (default: all at once), with `reserve_tokens`
         reserved up front in every group (the contiguous-reservation baselines)."""
         chunk = num_tokens if chunk is None else chunk
-        held = sum(g.blocks_held(num_tokens, self.block_size, chunk) for g in self.groups)
+        held = sum(k.blocks_held(num_tokens, self.block_size, chunk) for k in self.kinds)
         return max(held, self.num_groups * -(-reserve_tokens // self.block_size))
 
     # --------------------------------------------------------------- prefix cache
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """The first group's table entries of the longest usable cached prefix, and the
-        blocks' hashes (see `lookup_prefix`)."""
-        (hit,) = self.lookup_prefix([token_ids])
-        return list(hit.tables[0]), list(hit.hashes)
-
     def lookup_prefix(self, token_ids: Sequence[Sequence[int]]) -> list[CachedPrefix]:
         """The longest prefix of full blocks that every one of these sequences (one
         request's) can take from the prefix cache, as each sequence's hit.
 
-        A full-attention group needs every block of the prefix cached; a window group
-        only those its window covers for the first token after it. The last token is
-        never covered, so the step that admits the sequence still computes at least one
-        token and produces logits.
+        Each group's attention kind says which of the prefix's blocks it needs cached
+        (kv/attention_kinds.py); the block holding the last token is never covered
+        (kv/block_hash.py `reusable_blocks`).
         """
         empty = CachedPrefix.empty(self.num_groups)
         if not self.enable_prefix_caching or not token_ids:
             return [empty for _ in token_ids]
         found = [self._cached_blocks(ids) for ids in token_ids]
         n = min(len(hashes) for _, hashes in found)
-        while n > 0 and not all(self._window_hit(blocks, n) for blocks, _ in found):
+        while n > 0 and not all(self._is_hit(blocks, n) for blocks, _ in found):
             n -= 1
         if n == 0:
             return [empty for _ in token_ids]
@@ -148,51 +139,34 @@ class KVCacheManager:
     def _cached_blocks(
         self, token_ids: Sequence[int]
     ) -> tuple[list[list[int | None]], list[bytes]]:
-        """Per group, the cached block of each leading full block (None: not cached), and
-        their hashes: as far as the full-attention groups all hit (every block but the
-        one holding the last token, without them)."""
+        """Per group, the cached block of each reusable leading block (None: not cached),
+        and their hashes: as far as the groups that keep every block all hit."""
         bs = self.block_size
-        full = [g for g, w in enumerate(self.windows) if w is None]
+        keep_all = [g for g, kind in enumerate(self.kinds) if not kind.drops_blocks]
         blocks: list[list[int | None]] = [[] for _ in self.groups]
         hashes: list[bytes] = []
-        parent = b""
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            block_hash = hash_block(parent, tokens)
+        for parent, tokens, block_hash in hashed_blocks(
+            token_ids, bs, reusable_blocks(len(token_ids), bs)
+        ):
             row = [
                 self.allocator.cached_block(g, block_hash, parent, tokens)
                 for g in range(self.num_groups)
             ]
-            if any(row[g] is None for g in full):
+            if any(row[g] is None for g in keep_all):
                 break
             for g, block in enumerate(row):
                 blocks[g].append(block)
             hashes.append(block_hash)
-            parent = block_hash
         return blocks, hashes
 
-    def _first_needed_block(self, group: int, num_tokens: int) -> int:
-        """The first block group `group` reads to compute the token after `num_tokens`."""
-        window = self.windows[group]
-        if window is None:
-            return 0
-        return max(0, num_tokens - window + 1) // self.block_size
-
-    def _window_hit(self, blocks: list[list[int | None]], n: int) -> bool:
-        """Whether the first `n` blocks serve as a hit: every group has the blocks it
-        reads next cached."""
-        return all(
-            all(
-                b is not None
-                for b in blocks[g][self._first_needed_block(g, n * self.block_size) : n]
-            )
-            for g in range(self.num_groups)
-        )
+    def _is_hit(self, blocks: list[list[int | None]], n: int) -> bool:
+        """Whether the first `n` blocks serve as a hit in every group."""
+        return all(kind.is_hit(blocks[g], n, self.block_size) for g, kind in enumerate(self.kinds))
 
     def _hit(self, blocks: list[list[int | None]], hashes: list[bytes], n: int) -> CachedPrefix:
         tables = []
-        for g in range(self.num_groups):
-            first = self._first_needed_block(g, n * self.block_size)
+        for g, kind in enumerate(self.kinds):
+            first = kind.first_needed_block(n * self.block_size, self.block_size)
             row = [self.null_block] * first + blocks[g][first:n]
             tables.append(tuple(int(b) for b in row if b is not None))
         return CachedPrefix(tuple(tables), tuple(hashes[:n]))
@@ -205,12 +179,16 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         tables = self.tables[seq_id].groups
-        first = tables[0]
-        bs = self.block_size
-        for i in range(len(first.block_hashes), num_computed_tokens // bs):
-            parent = first.block_hashes[-1] if first.block_hashes else b""
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            block_hash = hash_block(parent, tokens)
+        hashed = tables[0].block_hashes
+        start = len(hashed)
+        new_blocks = hashed_blocks(
+            token_ids,
+            self.block_size,
+            num_computed_tokens // self.block_size,
+            start,
+            hashed[-1] if hashed else b"",
+        )
+        for i, (parent, tokens, block_hash) in enumerate(new_blocks, start):
             for g, table in enumerate(tables):
                 if table.blocks[i] != self.null_block:
                     self.allocator.register(table.blocks[i], parent, tokens, g, block_hash)
@@ -226,10 +204,9 @@ class KVCacheManager:
         seq = self.tables.get(seq_id)
         if seq is None:
             return self.admit([seq_id], [CachedPrefix.empty(self.num_groups)], num_tokens)
-        for g, table in enumerate(seq.groups):
-            window = self.windows[g]
-            if window is not None:
-                dropped = table.drop_blocks_before(table.num_tokens - window + 1)
+        for g, (table, kind) in enumerate(zip(seq.groups, self.kinds, strict=True)):
+            if kind.drops_blocks:
+                dropped = table.drop_blocks_before(kind.first_needed_token(table.num_tokens))
                 self.num_dropped_blocks += len(dropped)
                 if dropped and self.listener is not None:
                     self.listener.on_dropped(seq_id, table, dropped, group=g)

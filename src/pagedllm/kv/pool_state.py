@@ -3,7 +3,7 @@
 It holds what the KV view draws: each physical block's reference count and whether it
 is prefix-cached, each live table (its request, blocks and claimed slots), and, derived
 from the tables, each block's fill and owners. `PoolState.of(manager)` reads a manager;
-`apply(event)` replays one event (kv/events.py), so replaying a run's events from the
+`apply(event)` replays one event (kv/events.py `EVENT_FIELDS`), so replaying a run's events from the
 state it started in must give `PoolState.of` the manager at the end: the tests check
 exactly that, and the page's script replays the same way. Tables are keyed by
 (sequence, layer group); an entry given back behind a window is -1.
@@ -11,7 +11,7 @@ exactly that, and the page's script replays the same way. Tables are keyed by
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,23 +52,9 @@ class PoolState:
         }
         return state
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> PoolState:
-        """The inverse of `to_json` (fill and owners are derived again)."""
-        state = cls(int(data["num_blocks"]), int(data["block_size"]))
-        state.ref = [int(r) for r in data["ref"]]
-        state.cached = [bool(c) for c in data["cached"]]
-        state.tables = {
-            (int(t["seq"]), int(t.get("g", 0))): TableState(
-                t["req"], [int(b) for b in t["blocks"]], int(t["tokens"])
-            )
-            for t in data["seqs"]
-        }
-        return state
-
     # ------------------------------------------------------------------ replay
     def apply(self, event: Event) -> None:
-        """Replay one event (see kv/events.py for what each kind means)."""
+        """Replay one event (kv/events.py `EVENT_FIELDS` says what each kind means)."""
         kind = event["k"]
         key = (event.get("seq"), event.get("g", 0))
         if kind == "alloc":
@@ -121,11 +107,6 @@ class PoolState:
         elif kind == "reset":
             self.cached = [False] * self.num_blocks
         # preempt, finish, abort and text change no block.
-
-    def apply_all(self, events: Iterable[Event]) -> PoolState:
-        for event in events:
-            self.apply(event)
-        return self
 
     # ----------------------------------------------------------------- derived
     def fill(self) -> list[int]:

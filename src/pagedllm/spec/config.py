@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.validation import check_int
 
 SpeculativeMethod = Literal["ngram", "draft"]
 METHODS: tuple[str, ...] = ("ngram", "draft")
@@ -43,15 +44,8 @@ OPTION_OF_FIELD = {
 }
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_int(field: str, value: object, low: int, high: int | None = None) -> None:
-    if not _is_int(value) or value < low or (high is not None and value > high):  # type: ignore[operator]
-        option = OPTION_OF_FIELD[field]
-        bound = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise InvalidParameterError(option, f"{option} must be an integer {bound}, got {value!r}")
+    check_int(value, OPTION_OF_FIELD[field], min=low, max=high)
 
 
 @dataclass(frozen=True)

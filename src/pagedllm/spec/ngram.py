@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.validation import check_int
 
 Preference = Literal["latest", "earliest"]
 
@@ -47,11 +48,7 @@ class NgramProposer:
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{prompt_lookup_min} and {prompt_lookup_max}",
             )
-        if num_speculative_tokens < 1:
-            raise InvalidParameterError(
-                "num_speculative_tokens",
-                f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}",
-            )
+        check_int(num_speculative_tokens, "num_speculative_tokens", min=1)
         if prefer not in ("latest", "earliest"):
             raise InvalidParameterError(
                 "prefer", f"prefer must be 'latest' or 'earliest', got {prefer!r}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.validation import check_int
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the model's dtype
@@ -51,12 +52,7 @@ class RunnerOptions:
             if value not in allowed:
                 names = ", ".join(str(a) for a in allowed)
                 raise InvalidParameterError(name, f"{name} must be one of {names}, got {value!r}")
-        size = self.tensor_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise InvalidParameterError(
-                "tensor_parallel_size",
-                f"tensor_parallel_size must be an integer >= 1, got {size!r}",
-            )
+        size = check_int(self.tensor_parallel_size, "tensor_parallel_size", min=1)
         if self.quantization in QUANTIZED and (
             not self.device.startswith("cpu") or self.dtype != "float32"
         ):

@@ -1,10 +1,11 @@
 """The KV view's HTML: the live page (/kv) and self-contained replay files.
 
 Both are the same template with the same stylesheet and script inlined (no build step,
-no network: a replay file opens from disk anywhere); only the mode and, for a replay,
-the trace differ. Each page carries its Content-Security-Policy in a <meta> element
-(`content_policy`): only its own inline script and stylesheet may run, by hash; the live
-server sends the same policy as a header too, with `frame-ancestors`.
+no network: a replay file opens from disk anywhere), and the same table of KV event
+fields (kv/events.py) for the script; only the mode and, for a replay, the trace differ.
+Each page carries its Content-Security-Policy in a <meta> element (`content_policy`):
+only its own inline script and stylesheet may run, by hash; the live server sends the
+same policy as a header too, with `frame-ancestors`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from importlib import resources
 from typing import Any
 
 from pagedllm.entrypoints.server.csp import policy
+from pagedllm.kv.events import EVENT_FIELDS
 
 MODES = ("live", "replay")
+# The fields of each kind of KV event, as the page's script checks them.
+_EVENT_NAMES = {kind: list(fields) for kind, fields in EVENT_FIELDS.items()}
 
 
 @cache
@@ -56,7 +60,7 @@ def render(mode: str, trace: dict[str, Any] | None = None, title: str = "pagedll
     parts = {
         "/*__CSS__*/": _asset("kv_view.css"),
         "/*__JS__*/": _asset("kv_view.js"),
-        "__CONFIG__": _script_json({"mode": mode}),
+        "__CONFIG__": _script_json({"mode": mode, "events": _EVENT_NAMES}),
         "__TRACE__": _script_json(trace),
         "__TITLE__": html.escape(title),
         "__MODE__": mode,

@@ -4,9 +4,9 @@ page expects, so that a crafted or damaged file is refused with the field named
 
 `load_trace` (engine/kv_trace.py) checks the file's format and version; this checks the
 contents: the start snapshot's pool and figures, each record's step and figures, and
-each event's fields by kind (kv/events.py). Block ids must lie in the pool; a table's
-entries may also be -1 (the null block behind a sliding window), and table events of a
-layer group other than the first carry its index `g`.
+each event's fields by kind, by the rules of kv/events.py's `EVENT_FIELDS`. Block ids
+must lie in the pool; a table's entries may also be -1 (the null block behind a sliding
+window), and table events of a layer group other than the first carry its index `g`.
 """
 
 from __future__ import annotations
@@ -15,24 +15,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-# The fields each kind of event carries, by how they are checked.
-EVENT_FIELDS: dict[str, dict[str, str]] = {
-    "alloc": {"seq": "id", "req": "req", "blocks": "blocks", "tokens": "count"},
-    "append": {"seq": "id", "req": "req", "tokens": "count"},
-    "hit": {"seq": "id", "req": "req", "blocks": "entries"},
-    "cow": {"seq": "id", "req": "req", "index": "count", "src": "block", "dst": "block"},
-    "fork": {"seq": "id", "req": "req", "parent": "id"},
-    "free": {"seq": "id", "req": "req", "blocks": "entries"},
-    "drop": {"seq": "id", "req": "req", "upto": "count", "blocks": "blocks"},
-    "trim": {"seq": "id", "req": "req", "tokens": "count", "blocks": "blocks", "la": "count"},
-    "cache": {"block": "block"},
-    "evict": {"block": "block"},
-    "reset": {},
-    "preempt": {"req": "req"},
-    "finish": {"req": "req"},
-    "abort": {"req": "req"},
-    "text": {"block": "block", "text": "text"},
-}
+from pagedllm.kv.events import EVENT_FIELDS
+from pagedllm.validation import is_int
+
 _POOL_LISTS = ("ref", "cached", "fill")
 
 
@@ -41,13 +26,13 @@ class _Checker:
         self.num_blocks = num_blocks
 
     def id(self, value: Any, where: str) -> None:
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"{where} must be a whole number >= 0, got {_show(value)}")
 
     count = id  # token counts and indexes: the same rule as ids
 
     def block(self, value: Any, where: str) -> None:
-        if not _is_int(value) or not 0 <= value < self.num_blocks:
+        if not is_int(value) or not 0 <= value < self.num_blocks:
             raise ValueError(
                 f"{where} must be a block id in [0, {self.num_blocks}), got {_show(value)}"
             )
@@ -137,13 +122,9 @@ def check_trace(trace: Mapping[str, Any]) -> None:
             c.event(event, f"{where}.ev[{j}]")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     # json.loads reads NaN and Infinity, which JSON in the page could not hold.
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def _dict(value: Any, where: str) -> dict[str, Any]:

@@ -20,9 +20,10 @@ from ray.serve.handle import DeploymentHandle
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.ray_serve.prefix_router import PrefixAwareRouter
-from pagedllm.entrypoints.ray_serve.remote_engine import EngineView, RemoteEngine
+from pagedllm.entrypoints.ray_serve.remote_engine import RemoteEngine
 from pagedllm.entrypoints.ray_serve.replica import EngineReplica
 from pagedllm.errors import InvalidParameterError
+from pagedllm.validation import check_int
 
 ROUTINGS = ("prefix", "pow2")
 
@@ -37,10 +38,8 @@ class RouterOptions:
     stats_period_s: float = 1.0  # how often replicas report their cached hashes
 
     def __post_init__(self) -> None:
-        if self.max_imbalance < 0 or self.min_match_blocks < 1:
-            raise InvalidParameterError(
-                "max_imbalance", "max_imbalance must be >= 0 and min_match_blocks >= 1"
-            )
+        check_int(self.max_imbalance, "max_imbalance", min=0)
+        check_int(self.min_match_blocks, "min_match_blocks", min=1)
         if self.stats_period_s <= 0 or self.recent_ttl_s < 0:
             raise InvalidParameterError(
                 "stats_period_s", "stats_period_s must be > 0 and recent_ttl_s >= 0"
@@ -56,19 +55,16 @@ class OpenAIIngress:
     ) -> None:
         from pagedllm.loader.tokenizer import load_tokenizer
 
-        self.config = config
         self.server = dict(server)
-        self.max_waiting = self.server.pop("max_waiting", None)
-        self.info = await replicas.info.remote()
-        self.view = EngineView(config, self.info, load_tokenizer(config.model))
-        self.replicas = replicas
+        self.server.pop("max_waiting", None)  # the replicas' to enforce
+        max_model_len = await replicas.max_model_len.remote()
+        self.engine = RemoteEngine(replicas, config, load_tokenizer(config.model), max_model_len)
 
     def __serve_build_asgi_app__(self) -> Any:
         from pagedllm.entrypoints.server.app import create_app
 
-        engine = RemoteEngine(self.replicas, self.view, self.max_waiting)
         # The KV view watches one engine's pool in process: not across replicas.
-        return create_app(engine, kv_view=False, **self.server)  # type: ignore[arg-type]
+        return create_app(self.engine, kv_view=False, **self.server)
 
 
 @dataclass(frozen=True)
@@ -85,8 +81,7 @@ class RayServeOptions:
     health_check_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise InvalidParameterError("num_replicas", "num_replicas must be >= 1")
+        check_int(self.num_replicas, "num_replicas", min=1)
         if self.health_check_period_s <= 0 or self.health_check_timeout_s <= 0:
             raise InvalidParameterError(
                 "health_check_period_s",

@@ -2,9 +2,9 @@
 replica whose prefix cache holds the longest part of it.
 
 The ingress passes the prompt's token ids (chat template applied) in the handle call; the
-router hashes its full blocks exactly as the engine does (kv/allocator.py `hash_block`,
-chained, all but the block holding the last token: `find_cached_prefix`'s rule) and counts,
-per replica, how many leading blocks it holds. What a replica holds comes from two
+router hashes its blocks with the engine's own rule (kv/block_hash.py
+`prompt_block_hashes`: the blocks a cache hit could cover) and counts, per replica, how
+many leading blocks it holds. What a replica holds comes from two
 sources: its routing stats (`record_routing_stats`: the hashes of its prefix cache, pulled
 by Ray Serve every `request_routing_stats_period_s`), and the router's own recent choices
 (a prompt routed to a replica will be cached there; remembered for `recent_ttl_s`), which
@@ -32,19 +32,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedllm.kv.allocator import hash_block
+from pagedllm.kv.block_hash import prompt_block_hashes
 
 MAX_RECENT = 200_000  # remembered (hash -> replica) choices
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hashes of the prompt's full blocks the engine could serve from cache."""
-    hashes: list[bytes] = []
-    parent = b""
-    for i in range((len(token_ids) - 1) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
 
 
 def prompt_of(pending: PendingRequest | None) -> Sequence[int] | None:

@@ -1,15 +1,14 @@
-"""RemoteEngine: what the OpenAI server (entrypoints/server) needs of an AsyncLLMEngine,
-served by engine replicas behind a Ray Serve handle.
+"""RemoteEngine: the EngineClient the OpenAI server (entrypoints/server) runs over, served
+by engine replicas behind a Ray Serve handle.
 
 The server's code runs unchanged in the ingress over this object: `add_requests` sends a
 request group through the handle (the router picks the replica from the prompt's token
 ids), waits until the replica has queued it (so that a 400 or a 503 comes before any
 output, as in one process), and returns a RemoteStream with the RequestStream's
-interface. `engine` stands for the LLMEngine the server reads: the tokenizer (loaded
-here, for templating and tokenizing off the replicas), the config and the context limit.
+interface. The tokenizer is loaded here, for templating and tokenizing off the replicas.
 Each replica checks a request and compiles its grammar (off its engine thread) as it
-queues it. `snapshot` adds
-up the replicas' latest snapshots (sent with each finished request) for /metrics.
+queues it. `snapshot` adds up the replicas' latest snapshots (sent with each finished
+request) for /metrics.
 
 A replica that dies (its process killed, its node lost): the requests it was running end
 with RequestFailedError (the server's 500, or an error event in a stream); a request sent
@@ -29,35 +28,36 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.engine_client import PromptRequest
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.errors import EngineOverloadedError, RequestFailedError
 from pagedllm.kv.manager import KVUsage
-from pagedllm.sampling_params import SamplingParams
 
 SEND_ATTEMPTS = 3  # replicas a request may find dead before it is refused
 RESEND_DELAY_S = 0.2  # for Ray Serve to learn of the dead replica
 LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 
 
-class EngineView:
-    """The parts of LLMEngine the server reads, in the ingress."""
+class RemoteEngine:
+    """An EngineClient (engine/engine_client.py) over engine replicas."""
 
-    def __init__(self, config: EngineConfig, info: dict[str, Any], tokenizer: Any) -> None:
+    config: EngineConfig
+    tokenizer: Any
+    max_model_len: int
+    healthy: bool
+
+    def __init__(
+        self, handle: Any, config: EngineConfig, tokenizer: Any, max_model_len: int
+    ) -> None:
+        """`handle`: a DeploymentHandle of EngineReplica; `config`, `max_model_len`: the
+        replicas' (each enforces its own limits, max_waiting among them); `tokenizer`:
+        loaded in this process, for templating and tokenizing off the replicas."""
+        self.handle = handle
         self.config = config
         self.tokenizer = tokenizer
-        self.max_model_len: int = info["max_model_len"]
-        self.vocab_size: int = info["vocab_size"]
-
-
-class RemoteEngine:
-    def __init__(self, handle: Any, view: EngineView, max_waiting: int | None = None) -> None:
-        """`handle`: a DeploymentHandle of EngineReplica. `max_waiting` is the replicas'
-        to enforce (each refuses beyond it); kept here for the server to read."""
-        self.handle = handle
-        self.engine = view
-        self.max_waiting = max_waiting
-        self.healthy = True
+        self.max_model_len = max_model_len
+        self.healthy = True  # Ray Serve replaces a replica that dies
         self._snapshots: dict[str, EngineSnapshot] = {}
 
     def start(self) -> None:
@@ -68,11 +68,11 @@ class RemoteEngine:
 
     @property
     def snapshot(self) -> EngineSnapshot:
-        return _sum(self._snapshots.values(), self.engine.config.block_size)
+        return _sum(self._snapshots.values(), self.config.block_size)
 
     async def add_requests(
         self,
-        requests: Sequence[tuple[str, str | Sequence[int], SamplingParams]],
+        requests: Sequence[PromptRequest],
         arrival_time: float | None = None,
         grammar_param: str | None = None,
     ) -> RemoteStream:

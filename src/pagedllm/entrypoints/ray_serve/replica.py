@@ -32,14 +32,9 @@ class EngineReplica:
         self.engine = AsyncLLMEngine.build(lambda: LLMEngine(config), max_waiting=max_waiting)
         self.key = _replica_key()
 
-    async def info(self) -> dict[str, Any]:
-        """What the ingress needs to check requests as the engine would."""
-        llm = self.engine.engine
-        return {
-            "max_model_len": llm.max_model_len,
-            "vocab_size": llm.vocab_size,
-            "block_size": self.config.block_size,
-        }
+    async def max_model_len(self) -> int:
+        """The context limit, for the ingress's model card."""
+        return self.engine.max_model_len
 
     async def generate(
         self,

@@ -1,6 +1,6 @@
 """`python -m pagedllm.entrypoints.ray_serve.router_cost`: what the prefix-aware router
-costs per request on this machine: hashing a prompt's blocks (kv/allocator.py's
-`hash_block`) and matching them against many replicas' cached sets."""
+costs per request on this machine: hashing a prompt's blocks (kv/block_hash.py) and
+matching them against many replicas' cached sets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import argparse
 import random
 import time
 
-from pagedllm.entrypoints.ray_serve.prefix_router import prompt_block_hashes
-from pagedllm.kv.allocator import hash_block
+from pagedllm.kv.block_hash import hash_block, prompt_block_hashes
 
 
 def rate(fn: object, seconds: float) -> float:

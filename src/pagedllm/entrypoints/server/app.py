@@ -26,6 +26,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import pagedllm.entrypoints.server.responses as r
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.engine_client import EngineClient
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.server.auth import ApiKey
 from pagedllm.entrypoints.server.body import BodyReader, RequestReader
@@ -55,7 +56,7 @@ def default_model_name(model_path: str | None) -> str:
 
 
 def create_app(
-    engine: LLMEngine | AsyncLLMEngine,
+    engine: LLMEngine | EngineClient,
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
@@ -70,23 +71,30 @@ def create_app(
     kv_view_interval: float = 0.25,
     tool_call_parser: str = DEFAULT_PARSER,
 ) -> FastAPI:
-    """The app; the engine loop starts with the app (or at the first request) and stops
-    with it. `max_waiting` bounds the backlog: requests waiting beyond what the engine can
-    admit (HTTP 503 past it), each prompt of a batch counted. `max_prompts_per_request`:
-    the most prompts one /v1/completions request may carry (HTTP 400 past it).
-    `body_timeout`: seconds a client has to send its whole body (HTTP 408 after).
-    `allowed_origins`: browser origins allowed by CORS ("*" for any).
-    `kv_view`: serve the KV view at /kv, updating every `kv_view_interval` seconds at most,
-    with token text only if `kv_view_text`. `tool_call_parser`: how the model writes a tool
-    call, read back under tool_choice "auto" (tool_parsers.py; ValueError if unknown)."""
+    """The app over `engine` (an LLMEngine is run on an AsyncLLMEngine); the engine loop
+    starts with the app (or at the first request) and stops with it. `max_waiting` bounds
+    the backlog: requests waiting beyond what the engine can admit (HTTP 503 past it), each
+    prompt of a batch counted. `max_prompts_per_request`: the most prompts one
+    /v1/completions request may carry (HTTP 400 past it). `body_timeout`: seconds a client
+    has to send its whole body (HTTP 408 after). `allowed_origins`: browser origins allowed
+    by CORS ("*" for any). `kv_view`: serve the KV view at /kv, updating every
+    `kv_view_interval` seconds at most, with token text only if `kv_view_text`.
+    `max_waiting` and `kv_view` need an engine in this process (ValueError otherwise).
+    `tool_call_parser`: how the model writes a tool call, read back under tool_choice
+    "auto" (tool_parsers.py; ValueError if unknown)."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
-    elif max_waiting is not None:
-        engine.max_waiting = max_waiting
+    in_process = engine if isinstance(engine, AsyncLLMEngine) else None
+    if in_process is None and (max_waiting is not None or kv_view):
+        raise ValueError(
+            "max_waiting and kv_view need an engine in this process: engine replicas "
+            "bound their own backlog, and the KV view watches one pool"
+        )
+    if in_process is not None and max_waiting is not None:
+        in_process.max_waiting = max_waiting
     check_limits(max_request_bytes, body_timeout, max_prompts_per_request)
     key = ApiKey(api_key)
-    llm = engine.engine
-    name = served_model_name or default_model_name(llm.config.model)
+    name = served_model_name or default_model_name(engine.config.model)
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine, metrics, name, parser_factory(tool_call_parser), max_prompts_per_request
@@ -116,10 +124,10 @@ def create_app(
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so on every response
 
     reader = RequestReader(BodyReader(max_request_bytes, body_timeout), name)
-    card = r.ModelCard(id=name, max_model_len=llm.max_model_len)
+    card = r.ModelCard(id=name, max_model_len=engine.max_model_len)
     app.include_router(api_router(serving, reader, card, key))
-    if kv_view:
-        feed = KVFeed(engine, text=kv_view_text, interval=kv_view_interval)
+    if in_process is not None and kv_view:
+        feed = KVFeed(in_process, text=kv_view_text, interval=kv_view_interval)
         app.state.kv_feed = feed
         app.include_router(kv_router(feed, key))
     app.include_router(ops_router(engine, metrics))
@@ -129,7 +137,7 @@ def create_app(
 
 
 def _lifespan(
-    engine: AsyncLLMEngine, serving: Serving
+    engine: EngineClient, serving: Serving
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """Start the engine loop with the app; stop it, and the tokenizer thread, after."""
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from pagedllm.validation import check_int
+
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
 # Prompts in one /v1/completions batch. vLLM takes any number (each prompt is a request of
@@ -33,9 +35,7 @@ def check_limits(
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
 ) -> None:
     """ValueError naming the field if a limit cannot work."""
-    if max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    check_int(max_request_bytes, "max_request_bytes", min=1)
     if not body_timeout > 0:  # also refuses nan
         raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout}")
-    if max_prompts_per_request < 1:
-        raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}")
+    check_int(max_prompts_per_request, "max_prompts_per_request", min=1)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.engine_client import EngineClient
 from pagedllm.engine.outputs import RequestOutput
 
 P = "pagedllm:"
@@ -82,7 +82,7 @@ E2E_BUCKETS = (
 class EngineCollector(Collector):
     """Gauges and cumulative counters read from the engine's snapshot at scrape time."""
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -156,7 +156,7 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine))
         r = self.registry

@@ -5,7 +5,8 @@ of a second). On the engine thread it would stall every running stream; on the e
 loop, every connection. So it runs on a thread of its own and the engine is handed token
 ids. One thread rather than a pool: a Hugging Face fast tokenizer used by several threads
 at once can fail ("Already borrowed"), and one thread already keeps both loops free.
-The rules (valid Unicode, the chat template) are the offline API's: `engine.prompts`.
+The rules (valid Unicode, the chat template) are the offline API's: `engine.prompts`,
+`chat_template.py`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pagedllm.engine.prompts import encode_chat, encode_text
+from pagedllm.engine.prompts import encode_text
+from pagedllm.entrypoints.server.chat_template import encode_chat
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import pagedllm.entrypoints.server.responses as r
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.engine_client import EngineClient
 from pagedllm.entrypoints.server.auth import ApiKey
 from pagedllm.entrypoints.server.body import RequestReader, model_not_found
 from pagedllm.entrypoints.server.chat_protocol import ChatCompletionRequest
@@ -56,7 +56,7 @@ def api_router(
     return v1
 
 
-def ops_router(engine: AsyncLLMEngine, metrics: ServerMetrics) -> APIRouter:
+def ops_router(engine: EngineClient, metrics: ServerMetrics) -> APIRouter:
     """GET|HEAD /health (503 once the engine loop has stopped) and GET /metrics; no key."""
     ops = APIRouter()
 

@@ -28,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 import pagedllm.entrypoints.server.responses as r
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.engine_client import EngineClient
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.server.errors import from_invalid_param
@@ -94,7 +94,7 @@ def worth_sending(d: Delta, logprobs: int | None) -> bool:
 
 @dataclass
 class Serving:
-    engine: AsyncLLMEngine
+    engine: EngineClient
     metrics: ServerMetrics
     model_name: str
     # how the model writes a tool call (tool_parsers.py), read back under "auto"
@@ -103,7 +103,7 @@ class Serving:
     encoder: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         self.encoder = PromptEncoder(tokenizer)
         self._numbers = itertools.count()
 

@@ -22,7 +22,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedllm.engine.engine_client import EngineClient, OutputStream
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.server.errors import APIError, client_closed
 from pagedllm.entrypoints.server.metrics import RequestTracker, ServerMetrics
@@ -39,7 +39,7 @@ class Generation:
     for each, each one's position among the request's prompts, and the id the logs give
     the HTTP request."""
 
-    stream: RequestStream
+    stream: OutputStream
     trackers: dict[str, RequestTracker]
     positions: dict[str, int]
     client_id: str = "-"
@@ -57,7 +57,7 @@ class Generation:
 
 
 async def submit(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     metrics: ServerMetrics,
     request_id: str,
     prompts: Sequence[list[int]],

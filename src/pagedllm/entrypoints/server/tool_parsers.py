@@ -5,7 +5,7 @@ the server reads that format back out of its text. Parsers are chosen by name, a
 `--tool-call-parser` (`pagedllm serve --tool-call-parser hermes`); `PARSERS` is the
 registry. `hermes` reads `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the
 format of Hermes and Qwen2/2.5/3 and what the server's fallback tool prompt asks for
-(engine/chat_tools.py), and a JSON list of such calls in one block (a variant some
+(chat_template.py), and a JSON list of such calls in one block (a variant some
 models write).
 
 A parser sees a choice's text in pieces (`feed`, then `finish`) and returns `Piece`s in
@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.bounded_json import loads
+
+# The Hermes call tags: written by the fallback tool prompt, read by the hermes parser.
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class ToolParser(ABC):
 
 
 class HermesToolParser(ToolParser):
-    START, END = "<tool_call>", "</tool_call>"
+    START, END = CALL_START, CALL_END
 
     def __init__(self, functions: Collection[str]) -> None:
         super().__init__(functions)

@@ -1,7 +1,7 @@
 """Tool calling: chat's `tools` and `tool_choice` -> how the output becomes tool calls.
 
 * "auto" (the default when tools are given): the tools are offered through the chat
-  template (engine/chat_tools.py) and the model's own call format is parsed from its text
+  template (chat_template.py) and the model's own call format is parsed from its text
   by the server's tool-call parser (tool_parsers.py); text outside the calls stays content.
 * "required" or a named function: the output is constrained by a grammar to the call's
   JSON, so it parses whatever the model. A named function's output is its arguments (its

@@ -5,6 +5,17 @@
 "use strict";
 (function () {
   const CONFIG = JSON.parse(document.getElementById("kv-config").textContent);
+  // Each kind of event and its fields: kv/events.py's EVENT_FIELDS, which the server puts
+  // in the page. A live event that the table does not describe is refused, not half drawn
+  // (a replay file's events were checked against it when the file was made).
+  const EVENT_FIELDS = CONFIG.events;
+  function checkEvent(e) {
+    const fields = Object.hasOwn(EVENT_FIELDS, e.k) ? EVENT_FIELDS[e.k] : null;
+    if (!fields) throw new Error(`unknown KV event kind ${JSON.stringify(e.k)}`);
+    for (const name of fields) {
+      if (name !== "req" && e[name] === undefined) throw new Error(`a ${e.k} event without ${name}`);
+    }
+  }
   const NOISY = new Set(["append", "cache", "text"]);
   // The busy kinds the log hides unless asked: a check of proposals that gave back no
   // block is one per speculating sequence and step.
@@ -808,6 +819,12 @@
   }
 
   function liveUpdate(msg) {
+    try {
+      for (const rec of msg.records) rec.ev.forEach(checkEvent);
+    } catch (err) {
+      status(`${err.message}: update not drawn`, "bad");
+      return;
+    }
     view.pool.clearFlash();
     for (const rec of msg.records) {
       applyRecord(rec, true);

@@ -1,4 +1,5 @@
-"""Tools and tool-call history in a chat template, with a Hermes-style fallback.
+"""Chat conversations -> prompt token ids under the model's chat template (`encode_chat`,
+for the server and the offline API alike), with tools and tool-call history.
 
 A chat template that reads `tools` (Qwen2/3, Hermes, Llama 3.1, ...) is given the tools and
 renders them itself; one that reads `tool_calls` renders assistant calls and `tool` results
@@ -20,14 +21,53 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagedllm.engine.prompts import check_text
+from pagedllm.entrypoints.server.tool_parsers import CALL_END, CALL_START
+from pagedllm.errors import InvalidParameterError
+
+# The instructions the Hermes format opens with; the call tags are the ones the hermes
+# tool-call parser reads back.
 HERMES_TOOLS_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
     "{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+    f"{CALL_START}{CALL_END} XML tags:\n{CALL_START}\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n' + CALL_END
 )
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    param: str = "messages",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) under the
+    model's chat template, with the `tools` offered (OpenAI's function tools), if any:
+    in the template's own way, or in the Hermes format where it has none."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InvalidParameterError(
+            param,
+            "this model has no chat template (a base model, not an instruction-tuned one), so "
+            "it cannot take chat messages; send the text as a plain prompt instead",
+        )
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, str):
+            check_text(content, f"{param}[{i}].content")
+    rendered, template_tools = render_for_template(tokenizer, messages, tools)
+    try:
+        text = tokenizer.apply_chat_template(
+            rendered,
+            tools=template_tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except Exception as exc:  # the template is user-visible Jinja: any error is the input's
+        raise InvalidParameterError(param, f"cannot apply the chat template: {exc}") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def template_reads(tokenizer: Any, name: str) -> bool:
@@ -47,7 +87,7 @@ def hermes_tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
 def hermes_call(call: Mapping[str, Any]) -> str:
     fn = call["function"]
     body = {"name": fn["name"], "arguments": fn["arguments"]}
-    return f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>"
+    return f"{CALL_START}\n{json.dumps(body, ensure_ascii=False)}\n{CALL_END}"
 
 
 def render_for_template(

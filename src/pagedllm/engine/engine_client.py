@@ -1,0 +1,65 @@
+"""EngineClient: what the OpenAI server needs of an engine, wherever the engine runs.
+
+Two classes provide it: AsyncLLMEngine (the engine in this process, on its loop thread)
+and RemoteEngine (engine replicas behind a Ray Serve handle). The server is written
+against this protocol alone; what only an engine in this process can do (drain at
+shutdown, the KV view's feed) takes an AsyncLLMEngine by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.snapshot import EngineSnapshot
+from pagedllm.sampling_params import SamplingParams
+
+# (request id, prompt as text or token ids, its sampling parameters)
+PromptRequest = tuple[str, str | Sequence[int], SamplingParams]
+
+
+class OutputStream(Protocol):
+    """The outputs of requests queued together, in arrival order, until all finished."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    def abort(self) -> None:
+        """Abort every request of the stream that has not finished."""
+
+
+class EngineClient(Protocol):
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (None for an engine over token ids alone)."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's latest figures (all replicas' added up), for /metrics."""
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine can serve no request any more."""
+
+    def start(self) -> None: ...
+
+    def shutdown(self, timeout: float | None = 30.0) -> None: ...
+
+    async def add_requests(
+        self,
+        requests: Sequence[PromptRequest],
+        arrival_time: float | None = None,
+        grammar_param: str | None = None,
+    ) -> OutputStream:
+        """Queue the requests together, all or none, and return one stream of their
+        outputs. Raises InvalidParameterError (a bad request; a grammar that cannot be
+        compiled names `grammar_param`), EngineOverloadedError or EngineStoppedError."""
