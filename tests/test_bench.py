@@ -265,3 +265,13 @@ def test_the_report_keeps_the_sections_measured_apart(tmp_path: Path) -> None:
     page.write_text(f"# old suite\n\n{KEPT}\n\n## scale-out\n\nits table\n")
     kept = with_kept_sections("# new\n", str(page))
     assert kept == f"# new\n\n{KEPT}\n\n## scale-out\n\nits table\n"
+
+
+def test_step_cost_times_each_prompt_length(tmp_path: Path) -> None:
+    args = ["--streams", "4", "--prompt-lens", "20,300", "--steps", "3", "--out", str(tmp_path)]
+    assert main(["bench", "step-cost", *args]) == 0
+    result = json.loads((tmp_path / "step-cost.json").read_text())
+    assert result.keys() >= COMMON_KEYS
+    assert [(r["prompt_len"], r["streams"]) for r in result["results"]] == [(20, 4), (300, 4)]
+    assert result["results"][0]["vs_shortest"] == 1.0
+    assert result["ratios"]["longest_vs_shortest"] == result["results"][1]["vs_shortest"]
