@@ -5,7 +5,9 @@ at each prompt length: every request is queued at once, prefilled, and only the 
 decode steps after every prompt is in are timed. What remains is the engine's Python per
 step (scheduling, bookkeeping, outputs), and how it grows with the context: the ratio of
 the longest context's step to the shortest's says whether anything per step costs in
-proportion to the prompt (the aim: at most 1.2x).
+proportion to the prompt (the aim: at most 1.2x). Each output kind runs apart
+(`--output-kinds`): what the engine builds per step differs (everything so far, only the
+new tokens, or nothing until a request ends).
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from pagedllm.bench import options
 from pagedllm.bench.output import ratio, write_outputs
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.runner import ModelSpec
 
 VOCAB = 32000
 BLOCK_SIZE = 16
-COLUMNS = "prompt_len=prompt tokens|streams=streams|ms_per_step=ms/step|vs_shortest=vs shortest"
+KINDS = [k.name.lower() for k in RequestOutputKind]
+COLUMNS = "output_kind=output kind|prompt_len=prompt tokens|streams=streams|ms_per_step=ms/step|"
+COLUMNS += "vs_shortest=vs shortest"
 
 
 def add_parser(sub: Any) -> None:
@@ -37,11 +41,19 @@ def add_parser(sub: Any) -> None:
         "--prompt-lens", type=options.int_list, default="200,4096", help="default: 200,4096"
     )
     p.add_argument("--steps", type=int, default=200, help="decode steps timed per prompt length")
+    p.add_argument(
+        "--output-kinds",
+        type=options.choice_list(KINDS, "output kind"),
+        default=",".join(KINDS),
+        help=f"the requests' output kinds, one run each (default: {','.join(KINDS)})",
+    )
 
 
-def step_seconds(streams: int, prompt_len: int, steps: int, seed: int) -> list[float]:
+def step_seconds(
+    streams: int, prompt_len: int, steps: int, seed: int, kind: RequestOutputKind
+) -> list[float]:
     """The wall time of each of `steps` decode steps of `streams` requests of
-    `prompt_len` random tokens, timed once every request has its first token."""
+    `prompt_len` random tokens and output kind `kind`, timed once every request decodes."""
     warmup = 2  # steps after the prefill, before the timed ones
     batched = max(2048, streams)
     # The first requests decode while the last ones prefill: their tokens count too.
@@ -57,12 +69,14 @@ def step_seconds(streams: int, prompt_len: int, steps: int, seed: int) -> list[f
     )
     engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(VOCAB, max_len), token=1))
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
     for i in range(streams):
         engine.add_request(f"s{i}", [rng.randrange(100, VOCAB) for _ in range(prompt_len)], params)
-    started: set[str] = set()
-    while len(started) < streams:  # prefill (in chunks) until every request decodes
-        started.update(out.request_id for out in engine.step())
+    def decoding() -> int:  # the requests past their prompt
+        return sum(t.num_tokens > prompt_len for t in engine.snapshot(tables=True).tables)
+
+    while decoding() < streams:  # prefill, in chunks
+        engine.step()
     for _ in range(warmup):
         engine.step()
     times = []
@@ -77,20 +91,28 @@ def step_seconds(streams: int, prompt_len: int, steps: int, seed: int) -> list[f
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
-    for prompt_len in args.prompt_lens:
-        times = step_seconds(args.streams, prompt_len, args.steps, args.seed)
-        ms = 1000 * statistics.median(times)
-        rows.append({"prompt_len": prompt_len, "streams": args.streams, "ms_per_step": ms})
-    shortest = rows[0]["ms_per_step"]
-    for row in rows:
-        row["vs_shortest"] = ratio(row["ms_per_step"], shortest)
-        row["ms_per_step"] = round(row["ms_per_step"], 3)
+    for name in args.output_kinds:
+        kind = RequestOutputKind[name.upper()]
+        times = {
+            n: step_seconds(args.streams, n, args.steps, args.seed, kind) for n in args.prompt_lens
+        }
+        ms = {n: 1000 * statistics.median(t) for n, t in times.items()}
+        shortest = ms[args.prompt_lens[0]]
+        rows += [
+            {"output_kind": name, "prompt_len": n, "streams": args.streams}
+            | {"ms_per_step": round(m, 3), "vs_shortest": ratio(m, shortest)}
+            for n, m in ms.items()
+        ]
     config = {"streams": args.streams, "steps": args.steps, "block_size": BLOCK_SIZE}
     notes = [
         "LLMEngine.step() over FakeModelRunner (no model, no tokenizer): the engine's own "
         "Python per step; median of the timed decode steps, after every prompt is in",
-        "vs shortest: ms/step over the first prompt length's (the aim: at most 1.2)",
+        "vs shortest: ms/step over the first prompt length's, per output kind (the aim: at "
+        "most 1.2)",
     ]
     result = options.new_result("step-cost", args, "none (fake model runner)", config, rows, notes)
-    result["ratios"]["longest_vs_shortest"] = rows[-1]["vs_shortest"]
+    longest = args.prompt_lens[-1]
+    for row in rows:
+        if row["prompt_len"] == longest:
+            result["ratios"][f"{row['output_kind']}_longest_vs_shortest"] = row["vs_shortest"]
     return write_outputs(result, args.out, COLUMNS)
