@@ -72,6 +72,7 @@ def step_seconds(
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
     for i in range(streams):
         engine.add_request(f"s{i}", [rng.randrange(100, VOCAB) for _ in range(prompt_len)], params)
+
     def decoding() -> int:  # the requests past their prompt
         return sum(t.num_tokens > prompt_len for t in engine.snapshot(tables=True).tables)
 
