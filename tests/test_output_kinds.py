@@ -43,7 +43,8 @@ def run(kind: RequestOutputKind, names: list[str]) -> dict[str, list[RequestOutp
     engine = LLMEngine(config, runner=runner, tokenizer=Letters())
     for i, name in enumerate(names):
         params = SamplingParams(max_tokens=MAX, output_kind=kind, **REQUESTS[name])
-        engine.add_request(name, [i % 4, 1, 2, 3, 0, 1], params)
+        prompt = "dabcab" if name == "plain" else [i % 4, 1, 2, 3, 0, 1]  # text, or ids
+        engine.add_request(name, prompt, params)
     check_stop = engine.output.check_stop
 
     def fail_one(params: SamplingParams, seq: Any) -> None:  # a stop check that raises
@@ -116,8 +117,10 @@ def test_deltas_add_up_to_the_cumulative_output(
 ) -> None:
     deltas = delta[name]
     whole = cumulative[name]
-    assert deltas[0].prompt_token_ids == whole[0].prompt_token_ids
-    assert all(out.prompt_token_ids is None for out in deltas[1:])
+    prompt = whole[0].prompt, whole[0].prompt_token_ids
+    assert prompt[0] == ("dabcab" if name == "plain" else None)
+    assert (deltas[0].prompt, deltas[0].prompt_token_ids) == prompt
+    assert all(out.prompt is out.prompt_token_ids is None for out in deltas[1:])
     assert [d.finished for d in deltas][-1] == whole[-1].finished
     assert deltas[-1].error == whole[-1].error
     if name == "best_of":  # the n best are known only at the end: one output, whole

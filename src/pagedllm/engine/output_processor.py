@@ -79,18 +79,17 @@ class OutputProcessor:
             if beam is not None
             else self._sampled_completions(req, finished)
         )
-        return _request_output(req, req.prompt_token_ids, completions, finished, now)
+        return _request_output(req, True, completions, finished, now)
 
     def _delta_output(self, req: Request, finished: bool, now: float) -> RequestOutput:
         state = self._deltas.get(req.request_id)
-        prompt_token_ids = None
-        if state is None:  # its first output: the only one with the prompt
+        first = state is None  # its first output: the only one with the prompt
+        if state is None:
             state = self._deltas[req.request_id] = DeltaState.of(sampling_params(req))
-            prompt_token_ids = req.prompt_token_ids
         if finished:
             del self._deltas[req.request_id]
         seqs = sorted(req.finished_seqs + req.seqs, key=lambda s: s.index)
-        return _request_output(req, prompt_token_ids, state.completions(seqs), finished, now)
+        return _request_output(req, first, state.completions(seqs), finished, now)
 
     @staticmethod
     def _sampled_completions(req: Request, finished: bool) -> list[CompletionOutput]:
@@ -143,15 +142,15 @@ def _ranked(params: SamplingParams | BeamSearchParams) -> bool:
 
 def _request_output(
     req: Request,
-    prompt_token_ids: list[int] | None,
+    with_prompt: bool,
     completions: list[CompletionOutput],
     finished: bool,
     now: float,
 ) -> RequestOutput:
     return RequestOutput(
         request_id=req.request_id,
-        prompt=req.prompt,
-        prompt_token_ids=prompt_token_ids,
+        prompt=req.prompt if with_prompt else None,
+        prompt_token_ids=req.prompt_token_ids if with_prompt else None,
         outputs=completions,
         finished=finished,
         num_cached_tokens=req.num_cached_tokens,

@@ -35,8 +35,8 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     request_id: str
+    # Both None in a DELTA output after the request's first: the prompt is sent once.
     prompt: str | None
-    # None in a DELTA output after the request's first: the prompt is sent once.
     prompt_token_ids: list[int] | None
     outputs: list[CompletionOutput]
     finished: bool
