@@ -7,11 +7,13 @@ kept and cut, log-probs, an aborted and a failed request."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
 import pytest
 
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
@@ -36,15 +38,29 @@ REQUESTS: dict[str, dict[str, Any]] = {
 ABORT_AT, FAIL_AT = 4, 6  # the step "aborted" is aborted after; "failed"'s output tokens
 
 
-def run(kind: RequestOutputKind, names: list[str]) -> dict[str, list[RequestOutput]]:
-    """Each request's outputs, in order, from one engine run with every request of `kind`."""
+def make_engine() -> LLMEngine:
     config = EngineConfig(block_size=4, num_kv_blocks=256, max_num_seqs=32)
     runner = FakeModelRunner(ModelSpec(4, 4096), seed=7)
-    engine = LLMEngine(config, runner=runner, tokenizer=Letters())
-    for i, name in enumerate(names):
-        params = SamplingParams(max_tokens=MAX, output_kind=kind, **REQUESTS[name])
-        prompt = "dabcab" if name == "plain" else [i % 4, 1, 2, 3, 0, 1]  # text, or ids
-        engine.add_request(name, prompt, params)
+    return LLMEngine(config, runner=runner, tokenizer=Letters())
+
+
+def requests(kind: RequestOutputKind, names: list[str]) -> list[tuple[str, Any, SamplingParams]]:
+    """(request id, prompt: text or token ids, params) of each named request."""
+    return [
+        (
+            name,
+            "dabcab" if name == "plain" else [i % 4, 1, 2, 3, 0, 1],
+            SamplingParams(max_tokens=MAX, output_kind=kind, **REQUESTS[name]),
+        )
+        for i, name in enumerate(names)
+    ]
+
+
+def run(kind: RequestOutputKind, names: list[str]) -> dict[str, list[RequestOutput]]:
+    """Each request's outputs, in order, from one engine run with every request of `kind`."""
+    engine = make_engine()
+    for request in requests(kind, names):
+        engine.add_request(*request)
     check_stop = engine.output.check_stop
 
     def fail_one(params: SamplingParams, seq: Any) -> None:  # a stop check that raises
@@ -197,3 +213,21 @@ def test_output_kind_is_checked() -> None:
             make(output_kind="delta")
         assert err.value.param == "output_kind"
         assert "RequestOutputKind.DELTA" in str(err.value)
+
+
+@pytest.mark.parametrize("kind", [DELTA, FINAL_ONLY])
+def test_the_async_engine_streams_the_kind_asked_for(kind: RequestOutputKind) -> None:
+    names = ["plain", "parallel", "kept", "best_of"]
+    want = {name: [without_times(out) for out in outs] for name, outs in run(kind, names).items()}
+
+    async def stream() -> dict[str, list[dict[str, Any]]]:
+        engine = AsyncLLMEngine(make_engine())
+        try:
+            got: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+            async for out in await engine.add_requests(requests(kind, names)):
+                got[out.request_id].append(without_times(out))
+            return got
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(stream()) == want
