@@ -64,8 +64,8 @@ class DeltaState:
 
 def text_held_back(params: SamplingParams) -> int:
     """How many characters at the end of a running sample's text a stop string could
-    still cut: one that completes with a later token may start that far back. None are
-    when stop strings stay in the output: the cut then falls after the text already there."""
+    still cut: one that completes with a later token may start that far back. 0 when
+    stop strings stay in the output: the cut then falls after the text already there."""
     if params.include_stop_str_in_output:
         return 0
     return max((len(s) for s in params.stop), default=1) - 1
