@@ -203,16 +203,23 @@ class RequestTracker:
         self.m = metrics
         self.arrival = arrival
         self.last: float | None = None
+        self.tokens = 0  # generated so far
+        self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt, served by the prefix cache at admission
         self.reasons: set[str] = set()  # how its samples ended
         self.done = False
 
     def on_output(self, out: RequestOutput) -> None:
         """Record an output: a stream's delta, or a whole response's one final output
-        (its first token came `first_token_time` before its end, by the engine's clock)."""
+        (dated back to its first token by the engine's own times)."""
         now = time.monotonic()
+        if out.prompt_token_ids is not None:  # the request's first output
+            self.prompt_tokens = len(out.prompt_token_ids)
+            self.cached_tokens = out.num_cached_tokens
         tokens = sum(len(c.token_ids) for c in out.outputs)
         if tokens:
             self.m.generation_tokens.inc(tokens)
+            self.tokens += tokens
             if self.last is None:
                 times = out.metrics
                 if out.finished and times is not None and times.first_token_time is not None:
@@ -220,7 +227,7 @@ class RequestTracker:
                 else:
                     first = now
                 self.m.ttft.observe(max(first - self.arrival, 0.0))
-                self.m.prompt_tokens.inc(len(out.prompt_token_ids or ()))
+                self.m.prompt_tokens.inc(self.prompt_tokens)
             else:
                 self.m.itl.observe(now - self.last)
             self.last = now

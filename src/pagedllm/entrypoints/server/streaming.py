@@ -45,29 +45,25 @@ class Generation:
     trackers: dict[str, RequestTracker]
     positions: dict[str, int]
     client_id: str = "-"
-    prompt_tokens: int = 0  # the usage so far, over every prompt
-    completion_tokens: int = 0
-    cached_tokens: int = 0
 
     def on_output(self, out: RequestOutput) -> int:
-        """Record the output (a delta, or a final output: each adds to the usage); the
-        position of its prompt."""
+        """Record the output (a delta, or a final output); the position of its prompt."""
         self.trackers[out.request_id].on_output(out)
-        if out.prompt_token_ids is not None:  # a request's first output
-            self.prompt_tokens += len(out.prompt_token_ids)
-            self.cached_tokens += out.num_cached_tokens
-        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         return self.positions[out.request_id]
 
     def usage(self) -> dict[str, Any]:
         """Token counts summed over the prompts. `prompt_tokens_details.cached_tokens`
         (OpenAI's field): the prompt tokens served from the prefix cache when each prompt
         was first admitted (a recomputation after preemption does not change it)."""
+        prompt = sum(t.prompt_tokens for t in self.trackers.values())
+        completion = sum(t.tokens for t in self.trackers.values())
         return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {
+                "cached_tokens": sum(t.cached_tokens for t in self.trackers.values())
+            },
         }
 
     def end(self, reason: str) -> None:
