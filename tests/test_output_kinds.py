@@ -137,7 +137,7 @@ def test_deltas_add_up_to_the_cumulative_output(
     assert prompt[0] == ("dabcab" if name == "plain" else None)
     assert (deltas[0].prompt, deltas[0].prompt_token_ids) == prompt
     assert all(out.prompt is out.prompt_token_ids is None for out in deltas[1:])
-    assert [d.finished for d in deltas][-1] == whole[-1].finished
+    assert deltas[-1].finished == whole[-1].finished
     assert deltas[-1].error == whole[-1].error
     if name == "best_of":  # the n best are known only at the end: one output, whole
         assert len(deltas) == 1 and without_times(deltas[0]) == without_times(whole[-1])
