@@ -265,3 +265,22 @@ def test_the_report_keeps_the_sections_measured_apart(tmp_path: Path) -> None:
     page.write_text(f"# old suite\n\n{KEPT}\n\n## scale-out\n\nits table\n")
     kept = with_kept_sections("# new\n", str(page))
     assert kept == f"# new\n\n{KEPT}\n\n## scale-out\n\nits table\n"
+
+
+def test_step_cost_times_each_output_kind_and_prompt_length(tmp_path: Path) -> None:
+    args = ["--streams", "4", "--prompt-lens", "20,300", "--steps", "3", "--out", str(tmp_path)]
+    assert main(["bench", "step-cost", *args, "--output-kinds", "delta,final_only"]) == 0
+    result = json.loads((tmp_path / "step-cost.json").read_text())
+    assert result.keys() >= COMMON_KEYS
+    rows = [(r["output_kind"], r["prompt_len"], r["streams"]) for r in result["results"]]
+    assert rows == [
+        ("delta", 20, 4),
+        ("delta", 300, 4),
+        ("final_only", 20, 4),
+        ("final_only", 300, 4),
+    ]
+    assert [r["vs_shortest"] for r in result["results"]][::2] == [1.0, 1.0]
+    assert result["ratios"].keys() == {
+        "delta_longest_vs_shortest",
+        "final_only_longest_vs_shortest",
+    }

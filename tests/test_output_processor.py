@@ -13,6 +13,11 @@ EOS = 25
 class Letters:
     """Token i is the letter chr(97 + i); EOS (25, 'z') is special."""
 
+    eos_token_id = EOS
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(ch) - 97 for ch in text]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(97 + i) for i in ids if not (skip_special_tokens and i == EOS))
 

@@ -8,13 +8,19 @@ PagedAttention (fixed-size blocks, per-sequence block tables, sharing by referen
 
 from __future__ import annotations
 
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
+from pagedllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 __all__ = [
     "LLM",
     "BeamSearchParams",
     "LLMEngine",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputs",
 ]

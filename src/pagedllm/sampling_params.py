@@ -3,13 +3,15 @@
 Validated on creation: a bad value raises InvalidParameterError (a ValueError) that
 carries the field's name and says its allowed range; the server returns it as HTTP 400.
 `StructuredOutputs` asks for output that follows a grammar (vLLM's shape): a JSON
-schema, any JSON object, a regex, one of a list of choices, or an EBNF grammar. Plain
+schema, any JSON object, a regex, one of a list of choices, or an EBNF grammar.
+`RequestOutputKind` says what each of a request's outputs carries (vLLM's kinds). Plain
 Python (no torch, no grammar library): the grammar is compiled by the engine
 (pagedllm/structured/).
 """
 
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -51,6 +53,19 @@ def _is_num(x: object) -> bool:
         return math.isfinite(float(x))
     except OverflowError:  # an int past float's range
         return False
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries, as in vLLM."""
+
+    CUMULATIVE = 0  # an output at every step, with everything generated so far
+    DELTA = 1  # an output at every step, with only what is new since the previous one
+    FINAL_ONLY = 2  # one output, when the request ends, with everything
+
+
+def _check_output_kind(kind: object) -> None:
+    names = ", ".join(f"RequestOutputKind.{k.name}" for k in RequestOutputKind)
+    _check(isinstance(kind, RequestOutputKind), "output_kind", f"one of {names}", kind)
 
 
 # The ways to ask for structured output, one per request (StructuredOutputs' fields).
@@ -210,6 +225,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # output that follows a grammar (a JSON schema, a regex, ...); None: free text
     structured_outputs: StructuredOutputs | None = None
+    # what each output carries: everything so far (the default), only what is new, or
+    # nothing until the request ends (engine/output_processor.py says how each is built)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         check_int(self.n, "n", min=1)
@@ -298,6 +316,7 @@ class SamplingParams:
             "a StructuredOutputs (or a dict of its fields) or None",
             so,
         )
+        _check_output_kind(self.output_kind)
 
     @property
     def num_seqs(self) -> int:
@@ -325,6 +344,9 @@ class BeamSearchParams:
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    # The hypotheses are known only when the search ends: DELTA gives them then, as
+    # FINAL_ONLY does; CUMULATIVE also gives an output with none at every step before.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         check_int(self.beam_width, "beam_width", min=1)
@@ -332,3 +354,4 @@ class BeamSearchParams:
         _check(
             _is_num(self.length_penalty), "length_penalty", "a finite number", self.length_penalty
         )
+        _check_output_kind(self.output_kind)

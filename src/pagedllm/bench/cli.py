@@ -16,11 +16,22 @@ from pagedllm.bench import (
     serve,
     spec_decode,
     spec_streams,
+    step_cost,
     structured,
     sweep_benches,
 )
 
-BENCH_MODULES = (quality, structured, spec_decode, spec_streams, serve, scale_out, llamacpp, report)
+BENCH_MODULES = (
+    quality,
+    structured,
+    spec_decode,
+    spec_streams,
+    step_cost,
+    serve,
+    scale_out,
+    llamacpp,
+    report,
+)
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:

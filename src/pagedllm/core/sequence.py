@@ -67,10 +67,8 @@ class Request:
     def num_tokens(self) -> int:
         return self.seqs[0].num_tokens
 
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.prompt_seq.token_ids[: self.prompt_seq.num_prompt_tokens]
-
     def __post_init__(self) -> None:
         # The first sequence: it holds the prompt, whatever becomes of the samples.
         self.prompt_seq = self.seqs[0]
+        # Copied once: every output that carries the prompt hands out this same list.
+        self.prompt_token_ids = self.prompt_seq.token_ids[: self.prompt_seq.num_prompt_tokens]

@@ -3,7 +3,8 @@
 Every engine call (add_request, abort, step, and any `call(fn)`) runs on that one thread,
 so the engine needs no locks. Consumers hand it commands and get results back through
 `loop.call_soon_threadsafe`; the requests submitted together (one, or the prompts of one
-HTTP request) stream their cumulative RequestOutputs into one asyncio queue. The thread
+HTTP request) stream their RequestOutputs (of the kind each one's params ask for:
+cumulative, deltas or the final one only) into one asyncio queue. The thread
 sleeps on a condition while there is nothing to do. A failure is contained: requests
 whose add or delivery raises fail alone, and so do those the engine's step reports
 failed (`RequestOutput.error`); only if step() itself raises does every request fail.

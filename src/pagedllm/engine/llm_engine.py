@@ -2,7 +2,8 @@
 
 `step()` is the whole serving loop in one iteration: schedule, have the runner compute
 the step and draw tokens, note what was computed, then append tokens, detokenise, stop
-and fork sequences, and hand back a RequestOutput for every request that gained a token.
+and fork sequences, and hand back a RequestOutput for every request that gained a token
+(all it has so far, only what is new, or nothing until it ends: its params' `output_kind`).
 The engine itself holds no tensors: the runner does (worker/runner.py), so the same
 `step()` drives the real model, a fake one for bookkeeping runs, or a split one.
 
@@ -32,6 +33,7 @@ block manager or runner.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -265,7 +267,7 @@ class LLMEngine:
         if req is None:
             return False
         self._beams.pop(request_id, None)
-        self.output.forget(req.seqs)
+        self.output.forget(req)
         self.grammars.forget(req.seqs + req.finished_seqs)
         for seq in req.seqs:
             seq.finish_reason = "abort"
@@ -352,7 +354,8 @@ class LLMEngine:
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One iteration: a RequestOutput for every request that gained a token, ended,
-        or failed (`error` set) in it."""
+        or failed (`error` set) in it, of the kind its params ask for (a FINAL_ONLY
+        request has one only when it ends)."""
         self.listeners.step_begin(self.num_steps + 1)
         if self.speculation is not None:
             self.speculation.propose(self.scheduler)
@@ -428,9 +431,12 @@ class LLMEngine:
         for req in touched:
             req.first_token_time = req.first_token_time or now
             try:
-                outputs.append(self._finish_step_of(req, now))
+                out = self._finish_step_of(req, now)
             except Exception as exc:
                 failed[req.request_id] = (req, exc)
+                continue
+            if out is not None:
+                outputs.append(out)
         outputs.extend(self._fail(req, exc) for req, exc in failed.values())
         return outputs
 
@@ -479,7 +485,7 @@ class LLMEngine:
         if seq.finish_reason is None and self.grammars.terminated(seq.seq_id):
             seq.finish_reason = "stop"  # the grammar took its end (an EOS, ignore_eos)
 
-    def _finish_step_of(self, req: Request, now: float) -> RequestOutput:
+    def _finish_step_of(self, req: Request, now: float) -> RequestOutput | None:
         for seq in [s for s in req.seqs if s.finish_reason is not None]:
             self.scheduler.finish_seq(req, seq)
             self.grammars.forget([seq])
@@ -496,9 +502,10 @@ class LLMEngine:
         )
         for seq in req.seqs:
             seq.finish_reason = "error"
-        try:
+        out = None
+        with contextlib.suppress(Exception):  # the output itself may be what failed
             out = self.output.make_output(req, True, time.time(), self._beams.get(req.request_id))
-        except Exception:  # the output itself may be what failed: report none
+        if out is None:  # report none
             out = RequestOutput(
                 req.request_id,
                 req.prompt,

@@ -2,7 +2,10 @@
 
 It detokenises incrementally, decides whether the sequence stops (EOS, a stop token, a
 stop string — cut from the text — max_tokens or the context limit), and turns a request
-into the RequestOutput the caller sees (best_of ranking, beam hypotheses best first).
+into the RequestOutput the caller sees, of the kind its params ask for: everything so far
+(CUMULATIVE), what is new (DELTA, engine/deltas.py) or nothing until the end (FINAL_ONLY).
+The n best of best_of samples and the beam hypotheses (best first) are known only at the
+end: their DELTA request gets one output then, as FINAL_ONLY does.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from typing import Any
 
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.engine.beam_search import BeamState
+from pagedllm.engine.deltas import DeltaState
 from pagedllm.engine.detokenizer import DetokenizerState, detokenize_incrementally
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.step_rows import sampling_params
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class OutputProcessor:
@@ -23,6 +28,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self._detok: dict[int, DetokenizerState] = {}  # by sequence id, while it runs
+        self._deltas: dict[str, DeltaState] = {}  # by request id, from its first DELTA output
 
     def check_stop(self, params: SamplingParams, seq: Sequence) -> None:
         """Detokenise the newest token and set `seq.finish_reason` if the sequence ends."""
@@ -30,10 +36,11 @@ class OutputProcessor:
         if seq.finish_reason is not None:
             self._detok.pop(seq.seq_id, None)
 
-    def forget(self, seqs: list[Sequence]) -> None:
-        """Drop the state of sequences that ended without `check_stop` (aborts)."""
-        for seq in seqs:
+    def forget(self, req: Request) -> None:
+        """Drop the state of a request that ended without a final output (aborts)."""
+        for seq in req.seqs:
             self._detok.pop(seq.seq_id, None)
+        self._deltas.pop(req.request_id, None)
 
     def _check_stop(self, params: SamplingParams, seq: Sequence) -> None:
         token = seq.token_ids[-1]
@@ -59,32 +66,36 @@ class OutputProcessor:
 
     def make_output(
         self, req: Request, finished: bool, now: float, beam: BeamState | None = None
-    ) -> RequestOutput:
+    ) -> RequestOutput | None:
+        """The request's output after a step that changed it; None if its kind gives
+        none now (FINAL_ONLY, or a DELTA known only at the end, before the end)."""
+        kind = req.params.output_kind
+        if kind is RequestOutputKind.DELTA and beam is None and not _ranked(req.params):
+            return self._delta_output(req, finished, now)
+        if kind is not RequestOutputKind.CUMULATIVE and not finished:
+            return None
         completions = (
             self._beam_completions(req, beam, finished)
             if beam is not None
             else self._sampled_completions(req, finished)
         )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=RequestMetrics(
-                req.arrival_time, req.first_token_time, now if finished else None
-            ),
-            num_preemptions=req.num_preemptions,
-        )
+        return _request_output(req, True, completions, finished, now)
+
+    def _delta_output(self, req: Request, finished: bool, now: float) -> RequestOutput:
+        state = self._deltas.get(req.request_id)
+        first = state is None  # its first output: the only one with the prompt
+        if state is None:
+            state = self._deltas[req.request_id] = DeltaState.of(sampling_params(req))
+        if finished:
+            del self._deltas[req.request_id]
+        seqs = sorted(req.finished_seqs + req.seqs, key=lambda s: s.index)
+        return _request_output(req, first, state.completions(seqs), finished, now)
 
     @staticmethod
     def _sampled_completions(req: Request, finished: bool) -> list[CompletionOutput]:
-        params = req.params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {req.request_id} is a beam search: it has no samples")
+        params = sampling_params(req)
         seqs = req.finished_seqs + req.seqs
-        if finished and params.best_of is not None and params.best_of > params.n:
+        if finished and _ranked(params):
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
         else:
             seqs = sorted(seqs, key=lambda s: s.index)
@@ -122,6 +133,30 @@ class OutputProcessor:
                 )
             )
         return completions
+
+
+def _ranked(params: SamplingParams | BeamSearchParams) -> bool:
+    """Whether the request returns the n best of more samples, known only at the end."""
+    return isinstance(params, SamplingParams) and (params.best_of or 0) > params.n
+
+
+def _request_output(
+    req: Request,
+    with_prompt: bool,
+    completions: list[CompletionOutput],
+    finished: bool,
+    now: float,
+) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=req.prompt if with_prompt else None,
+        prompt_token_ids=req.prompt_token_ids if with_prompt else None,
+        outputs=completions,
+        finished=finished,
+        num_cached_tokens=req.num_cached_tokens,
+        metrics=RequestMetrics(req.arrival_time, req.first_token_time, now if finished else None),
+        num_preemptions=req.num_preemptions,
+    )
 
 
 def _cut_at_stop_string(seq: Sequence, params: SamplingParams, new_chars: int) -> bool:

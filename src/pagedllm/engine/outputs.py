@@ -1,4 +1,10 @@
-"""RequestOutput and CompletionOutput: what the engine returns, shaped like vLLM's."""
+"""RequestOutput and CompletionOutput: what the engine returns, shaped like vLLM's.
+
+What an output holds depends on its request's `output_kind` (RequestOutputKind, in
+sampling_params.py): everything so far (CUMULATIVE), only what is new since the
+request's previous output (DELTA), or everything, once, when the request ends
+(FINAL_ONLY).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from dataclasses import dataclass, field
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
+    text: str  # DELTA: only the new text (and token ids, logprobs)
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
@@ -29,8 +35,9 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     request_id: str
+    # Both None in a DELTA output after the request's first: the prompt is sent once.
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0

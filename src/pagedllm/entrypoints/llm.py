@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -20,7 +21,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.chat_template import encode_chat
 from pagedllm.errors import InvalidParameterError
 from pagedllm.loader import LoadedModel
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptInput = str | dict[str, Any] | Sequence[int]
 Message = dict[str, str]
@@ -42,7 +43,8 @@ class LLM:
         sampling_params: SamplingParams | BeamSearchParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        """Run every prompt to completion; one RequestOutput per prompt, in order (the
+        params' output_kind is ignored: each output is the request's final one)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -59,11 +61,15 @@ class LLM:
                     "sampling_params",
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts",
                 )
+        # Only the final outputs are kept: the engine builds no other.
+        final_only = {
+            id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list
+        }
         ids = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, _prompt_of(prompt), params)
+                self.engine.add_request(request_id, _prompt_of(prompt), final_only[id(params)])
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # nothing half-queued stays behind

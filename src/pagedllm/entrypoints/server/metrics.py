@@ -3,6 +3,8 @@
 Engine figures (KV blocks, queue lengths, preemptions, prefix-cache hits) are read from
 the async engine's latest snapshot at scrape time; per-request figures (tokens, time to
 first token, inter-token latency, end-to-end latency) are recorded as outputs stream out.
+A whole (not streamed) response gets one output from the engine, at its end: its time to
+first token is dated back by the engine's own times, and it has no inter-token latency.
 """
 
 from __future__ import annotations
@@ -201,24 +203,37 @@ class RequestTracker:
         self.m = metrics
         self.arrival = arrival
         self.last: float | None = None
-        self.tokens = 0
+        self.tokens = 0  # generated so far
+        self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt, served by the prefix cache at admission
+        self.reasons: set[str] = set()  # how its samples ended
         self.done = False
 
     def on_output(self, out: RequestOutput) -> None:
+        """Record an output: a stream's delta, or a whole response's one final output
+        (dated back to its first token by the engine's own times)."""
         now = time.monotonic()
+        if out.prompt_token_ids is not None:  # the request's first output
+            self.prompt_tokens = len(out.prompt_token_ids)
+            self.cached_tokens = out.num_cached_tokens
         tokens = sum(len(c.token_ids) for c in out.outputs)
-        if tokens > self.tokens:
-            self.m.generation_tokens.inc(tokens - self.tokens)
-            self.tokens = tokens
+        if tokens:
+            self.m.generation_tokens.inc(tokens)
+            self.tokens += tokens
             if self.last is None:
-                self.m.ttft.observe(now - self.arrival)
-                self.m.prompt_tokens.inc(len(out.prompt_token_ids))
+                times = out.metrics
+                if out.finished and times is not None and times.first_token_time is not None:
+                    first = now - ((times.finished_time or 0.0) - times.first_token_time)
+                else:
+                    first = now
+                self.m.ttft.observe(max(first - self.arrival, 0.0))
+                self.m.prompt_tokens.inc(self.prompt_tokens)
             else:
                 self.m.itl.observe(now - self.last)
             self.last = now
+        self.reasons.update(c.finish_reason for c in out.outputs if c.finish_reason)
         if out.finished:
-            reasons = {c.finish_reason for c in out.outputs}
-            self.finish("length" if reasons == {"length"} else "stop")
+            self.finish("length" if self.reasons == {"length"} else "stop")
 
     def finish(self, reason: str) -> None:
         """Count the request once: "stop", "length", "abort" or "error"."""

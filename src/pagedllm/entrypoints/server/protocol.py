@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from pagedllm.engine.prompts import check_text
 from pagedllm.entrypoints.server.structured import Structured, from_fields
 from pagedllm.errors import UNSUPPORTED, InvalidParameterError
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -102,6 +102,8 @@ class SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_keys(self.logit_bias),
             structured_outputs=structured.spec if (structured := self.structured()) else None,
+            # a stream sends what is new at each step; a whole response, the end only
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     def structured(self) -> Structured | None:

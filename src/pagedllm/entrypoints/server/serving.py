@@ -39,12 +39,11 @@ from pagedllm.entrypoints.server.protocol import CompletionRequest
 from pagedllm.entrypoints.server.request_id import request_id
 from pagedllm.entrypoints.server.streaming import (
     Delta,
-    DeltaTracker,
     Generation,
+    choice_deltas,
     collect,
     sse_response,
     submit,
-    usage_of,
 )
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS, ToolParser
 from pagedllm.entrypoints.server.tool_stream import ToolCallStream
@@ -74,7 +73,6 @@ class Started:
     model: str
     params: SamplingParams
     gen: Generation
-    deltas: DeltaTracker
 
     def body(self, obj: str, choices: Choices, usage: dict[str, Any] | None) -> dict[str, Any]:
         return {
@@ -144,7 +142,7 @@ class Serving:
             rid,
             len(prompts),
         )
-        return Started(rid, created, self.model_name, params, gen, DeltaTracker(params))
+        return Started(rid, created, self.model_name, params, gen)
 
     async def _respond(
         self,
@@ -165,13 +163,13 @@ class Serving:
                 for choices in stream_choices(position, out):
                     yield s.body(chunk_obj, choices, None)
 
-            def last(finals: list[RequestOutput]) -> Iterable[dict[str, Any]]:
+            def last() -> Iterable[dict[str, Any]]:
                 if req.include_usage:
-                    yield s.body(chunk_obj, [], usage_of(finals))
+                    yield s.body(chunk_obj, [], s.gen.usage())
 
             return sse_response(s.gen, chunks, last)
         finals = await collect(raw, s.gen)
-        return JSONResponse(s.body(whole_obj, final_choices(finals), usage_of(finals)))
+        return JSONResponse(s.body(whole_obj, final_choices(finals), s.gen.usage()))
 
     # ---------------------------------------------------------- completions
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
@@ -189,12 +187,12 @@ class Serving:
             }
 
         def stream_choices(position: int, out: RequestOutput) -> Iterable[Choices]:
-            for d in s.deltas.deltas(out, position * n):
+            for d in choice_deltas(out, position * n):
                 if worth_sending(d, k):
                     yield [choice(d)]
 
         def final_choices(finals: list[RequestOutput]) -> Choices:
-            return [choice(d) for i, out in enumerate(finals) for d in s.deltas.deltas(out, i * n)]
+            return [choice(d) for i, out in enumerate(finals) for d in choice_deltas(out, i * n)]
 
         objects = ("text_completion", "text_completion")
         return await self._respond(s, req, raw, objects, stream_choices, final_choices)
@@ -253,7 +251,7 @@ class Serving:
         started: set[int] = set()
 
         def stream_choices(_: int, out: RequestOutput) -> Iterable[Choices]:
-            for d in s.deltas.deltas(out):
+            for d in choice_deltas(out):
                 if d.index not in started:  # each choice opens with its role
                     started.add(d.index)
                     first = {"role": "assistant", "content": ""}
@@ -277,7 +275,7 @@ class Serving:
 
         def final_choices(finals: list[RequestOutput]) -> Choices:
             choices = []
-            for d in s.deltas.deltas(finals[0]):
+            for d in choice_deltas(finals[0]):
                 msg: dict[str, Any] = {"role": "assistant", "content": d.text}
                 if use is not None:
                     whole = tool_stream(d.index).whole(d.text)

@@ -2,10 +2,12 @@
 
 `submit` queues the engine requests of one HTTP request (one per prompt) as a
 `Generation`, `collect` waits for their final outputs while watching for the client to
-hang up, `sse_response` streams chunks as Server-Sent Events, and `DeltaTracker` turns the
-engine's cumulative outputs into deltas. Whatever way a request ends early (disconnect,
-cancellation, a failure), all of its engine requests are aborted and their KV blocks go
-back to the pool.
+hang up, `sse_response` streams chunks as Server-Sent Events, and `choice_deltas` gives the
+choices of an output as the response numbers them. A stream's requests ask the engine for
+DELTA outputs (what is new at each step, text a stop string could still cut held back), a
+whole response's for FINAL_ONLY (one output at the end): each output adds to the
+response. Whatever way a request ends early (disconnect, cancellation, a failure), all of
+its engine requests are aborted and their KV blocks go back to the pool.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.engine_client import EngineClient, OutputStream
-from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.errors import APIError, client_closed
 from pagedllm.entrypoints.server.metrics import RequestTracker, ServerMetrics
 from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
@@ -45,9 +47,24 @@ class Generation:
     client_id: str = "-"
 
     def on_output(self, out: RequestOutput) -> int:
-        """Record the output; the position of its prompt."""
+        """Record the output (a delta, or a final output); the position of its prompt."""
         self.trackers[out.request_id].on_output(out)
         return self.positions[out.request_id]
+
+    def usage(self) -> dict[str, Any]:
+        """Token counts summed over the prompts. `prompt_tokens_details.cached_tokens`
+        (OpenAI's field): the prompt tokens served from the prefix cache when each prompt
+        was first admitted (a recomputation after preemption does not change it)."""
+        prompt = sum(t.prompt_tokens for t in self.trackers.values())
+        completion = sum(t.tokens for t in self.trackers.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {
+                "cached_tokens": sum(t.cached_tokens for t in self.trackers.values())
+            },
+        }
 
     def end(self, reason: str) -> None:
         """Abort what has not finished and count it ("abort" or "error")."""
@@ -164,21 +181,18 @@ class _SSEResponse(StreamingResponse):
 def sse_response(
     gen: Generation,
     chunks_of: Callable[[int, RequestOutput], Iterable[dict[str, Any]]],
-    last_chunks: Callable[[list[RequestOutput]], Iterable[dict[str, Any]]],
+    last_chunks: Callable[[], Iterable[dict[str, Any]]],
 ) -> StreamingResponse:
-    """`data: {chunk}` per output (with its prompt's position), the final chunks (given
-    every prompt's final output, in order), then `data: [DONE]`."""
+    """`data: {chunk}` per output (with its prompt's position), the final chunks (once
+    every prompt has ended), then `data: [DONE]`."""
     state = {"ended": False}
 
     async def events() -> AsyncIterator[str]:
-        finals: dict[int, RequestOutput] = {}
         try:
             async for out in gen.stream:
-                position = gen.on_output(out)
-                finals[position] = out
-                for chunk in chunks_of(position, out):
+                for chunk in chunks_of(gen.on_output(out), out):
                     yield f"data: {json.dumps(chunk)}\n\n"
-            for chunk in last_chunks([finals[i] for i in sorted(finals)]):
+            for chunk in last_chunks():
                 yield f"data: {json.dumps(chunk)}\n\n"
         except RequestFailedError as exc:
             yield f"data: {json.dumps(failure(gen, exc).body())}\n\n"
@@ -201,61 +215,16 @@ class Delta:
     finish_reason: str | None
 
 
-@dataclass
-class _Sent:
-    text: int = 0
-    tokens: int = 0
-    finished: bool = False
-
-
-class DeltaTracker:
-    """What each choice gained since the previous output. While a choice runs, the last
-    `holdback` characters (longest stop string - 1) are held back: a stop string that
-    completes later cuts them from the final text, so they must not have been sent."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        stops = params.stop or ()
-        self.holdback = max((len(s) for s in stops), default=1) - 1
-        self.sent: dict[int, _Sent] = {}
-
-    def deltas(self, out: RequestOutput, first_index: int = 0) -> list[Delta]:
-        """The new part of each choice; choice `c.index` of this prompt is choice
-        `first_index + c.index` of the response (prompt i of a batch starts at i * n)."""
-        result = []
-        for c in out.outputs:
-            index = first_index + c.index
-            sent = self.sent.setdefault(index, _Sent())
-            if sent.finished:
-                continue
-            result.append(self._delta(index, c, sent))
-        return result
-
-    def _delta(self, index: int, c: CompletionOutput, sent: _Sent) -> Delta:
-        done = c.finish_reason is not None
-        end = len(c.text) if done else max(sent.text, len(c.text) - self.holdback)
-        text = c.text[sent.text : end]
-        n = len(c.token_ids)
-        lps = c.logprobs[sent.tokens : n] if c.logprobs is not None else None
-        delta = Delta(
-            index, text, c.token_ids[sent.tokens : n], lps, _finish_reason(c.finish_reason)
+def choice_deltas(out: RequestOutput, first_index: int = 0) -> list[Delta]:
+    """The choices of a DELTA or final output; choice `c.index` of this prompt is choice
+    `first_index + c.index` of the response (prompt i of a batch starts at i * n)."""
+    return [
+        Delta(
+            first_index + c.index, c.text, c.token_ids, c.logprobs, _finish_reason(c.finish_reason)
         )
-        sent.text, sent.tokens, sent.finished = end, n, done
-        return delta
+        for c in out.outputs
+    ]
 
 
 def _finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
-
-
-def usage_of(finals: Sequence[RequestOutput]) -> dict[str, Any]:
-    """Token counts summed over the prompts of a request. `prompt_tokens_details.
-    cached_tokens` (OpenAI's field): the prompt tokens served from the prefix cache when
-    each prompt was first admitted (a recomputation after preemption does not change it)."""
-    prompt = sum(len(out.prompt_token_ids) for out in finals)
-    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in finals)},
-    }
