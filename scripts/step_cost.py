@@ -1,14 +1,11 @@
-"""The engine's time per decode step, without a model and with the default one.
+"""The model runner's side of a decode step, without a model and with the default one.
 
-* `fake`: 64 streams decoding over FakeModelRunner at 200- and 4096-token contexts: the
-  step's bookkeeping alone (scheduling, the block tables sent to the runner and kept
-  there, sample rows, outputs), which the model's time hides; with the share of it in
-  `schedule()` and in the runner, and the size of the step pickled (what tensor
-  parallelism sends every rank);
-* `inputs`: the same with a fake runner that also builds the real runner's inputs (its
-  persistent batch's tables, worker/input_batch.py, and the step's AttentionMetadata);
-* `tiny`: the same over the real runner with a tiny random Llama (2 layers of 64), whose
-  compute is small enough that the step's bookkeeping and metadata show;
+* `inputs`: 64 streams decoding at 200- and 4096-token contexts over FakeModelRunner
+  made to build the real runner's inputs of each step as well (its persistent batch's
+  block tables, worker/input_batch.py, and the step's AttentionMetadata): the engine's
+  step time with the share of it in `schedule()` and in the runner, and the size of a
+  step pickled (what tensor parallelism sends every rank). `pagedllm bench step-cost`
+  times the step over the plain fake runner;
 * `real`: the default model (quantization none), decode steps at batch 1 and 8 from
   128-token prompts.
 
@@ -16,9 +13,7 @@ Each figure: the median of the timed steps, once every stream is decoding. `--th
 sets torch's threads (on a shared machine, 1 keeps the small host-side tensor work from
 waiting on busy cores).
 
-    .venv/bin/python scripts/step_cost.py fake
-    .venv/bin/python scripts/step_cost.py inputs
-    .venv/bin/python scripts/step_cost.py tiny
+    .venv/bin/python scripts/step_cost.py inputs --threads 1
     .venv/bin/python scripts/step_cost.py real
 """
 
@@ -28,10 +23,8 @@ import argparse
 import pickle
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,8 +83,8 @@ class InputsRunner(FakeModelRunner):
     """The fake runner, building the real runner's inputs of each step first."""
 
     def __init__(self) -> None:
-        # Imported here: the other modes run on an engine from before the persistent
-        # batch too, for before-and-after figures.
+        # Imported here: `real` runs on an engine from before the persistent batch too,
+        # for before-and-after figures.
         from pagedllm.worker.input_batch import InputBatch
 
         super().__init__(ModelSpec(32000, 65536, (0,)), token=1)
@@ -110,50 +103,25 @@ class InputsRunner(FakeModelRunner):
         return super().execute(step, rows)
 
 
-def tiny_llama(path: Path) -> Path:
-    """A tiny random Llama saved under `path`, long enough for 4k-token contexts."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=8192,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
-def streams_64(steps: int, what: str, model: Path | None = None) -> None:
-    """64 streams at 200- and 4096-token contexts, over the fake runner (`what` "fake"),
-    the one that builds inputs ("inputs") or the real one over `model`."""
+def inputs(steps: int) -> None:
+    """64 streams at 200- and 4096-token contexts over InputsRunner."""
     streams = 64
     for context in (200, 4096):
         blocks = streams * -(-(context + steps + 16) // BLOCK_SIZE) + 64
         config = EngineConfig(
-            model=None if model is None else str(model),
             block_size=BLOCK_SIZE,
             num_kv_blocks=blocks,
             max_num_seqs=streams,
             max_num_batched_tokens=8192,
             max_model_len=context + steps + 16,
             enable_prefix_caching=False,
-            quantization="none",
         )
-        if what == "fake":
-            engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(32000, 65536), token=1))
-        elif what == "inputs":
-            engine = LLMEngine(config, runner=InputsRunner())
-        else:
-            engine = LLMEngine(config)
+        engine = LLMEngine(config, runner=InputsRunner())
         schedule, execute = Timed(engine.scheduler, "schedule"), Timed(engine.runner, "execute")
         ms = decode_step_ms(engine, streams, context, steps)
         first_decode = schedule.results[-steps]  # every stream decodes in it
         print(
-            f"{what} runner, {streams} streams, "
+            f"{streams} streams, "
             f"context {context}: {ms:.3f} ms/step "
             f"(schedule {schedule.median_ms(steps):.3f}, runner {execute.median_ms(steps):.3f}); "
             f"a decode step of {len(first_decode.seqs)} sequences pickled: "
@@ -170,19 +138,13 @@ def real(steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["fake", "inputs", "tiny", "real"])
+    parser.add_argument("what", choices=["inputs", "real"])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.what == "real":
-        real(args.steps)
-    elif args.what == "tiny":
-        with tempfile.TemporaryDirectory() as tmp:
-            streams_64(args.steps, "tiny", tiny_llama(Path(tmp)))
-    else:
-        streams_64(args.steps, args.what)
+    (real if args.what == "real" else inputs)(args.steps)
 
 
 if __name__ == "__main__":
