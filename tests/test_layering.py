@@ -20,6 +20,7 @@ TORCH_FREE = [
     "engine",
     "worker/runner.py",
     "worker/fake_runner.py",
+    "worker/batch_tables.py",
     "worker/options.py",
     "kernels/policy.py",
     "errors.py",

@@ -7,7 +7,9 @@ preemptions under a tiny pool, with and without speculative decoding (the fake r
 keeps a deterministic share of the n-gram proposals, from none to all). After every
 step: every block is free or referenced, each reference count equals the number of
 block-table entries pointing at it, used + free = total, every table covers its tokens;
-at the end the pool is whole.
+at the end the pool is whole. At every step the runner's copies of the block tables, kept
+from the scheduler's changes alone (the fake runner's lists and the real runner's
+tensors, worker/input_batch.py), equal the manager's tables.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.sequence import Request
 from pagedllm.core.sequence import Sequence as Seq
 from pagedllm.engine.config import EngineConfig
@@ -31,7 +34,9 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.worker.batch_tables import BatchTables, ListTableStore
 from pagedllm.worker.fake_runner import FakeModelRunner
+from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
 
 VOCAB = 50
@@ -39,7 +44,10 @@ EOS = 0
 
 
 class CountingRunner(FakeModelRunner):
-    """Random tokens; counts the copy-on-write copies the engine asked for."""
+    """Random tokens; counts the copy-on-write copies the engine asked for, and the
+    tables sent whole and as appended ids (none included); holds its copies of the block
+    tables against `kv` (the engine's manager) at every step, keeping what differs in
+    `mismatches` (the engine would take an exception here for a failed forward pass)."""
 
     def __init__(
         self, seed: int, num_layers: int = 1, windows: tuple[int | None, ...] | None = None
@@ -47,10 +55,33 @@ class CountingRunner(FakeModelRunner):
         spec = ModelSpec(VOCAB, 4096, (EOS,), num_layers=num_layers, layer_windows=windows)
         super().__init__(spec, seed=seed)
         self.copies = 0
+        self.whole_tables = self.appended_tables = 0
+        self.kv: KVCacheManager | None = None
+        self.mismatches: list[str] = []
+        self.input_batch: InputBatch | None = None
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
         self.copies += len(step.blocks_to_copy)
-        return super().execute(step, rows)
+        self.whole_tables += sum(s.replaces_tables for s in step.seqs)
+        self.appended_tables += sum(not s.replaces_tables for s in step.seqs)
+        sampled = super().execute(step, rows)
+        if self.input_batch is None:  # tables as small as can be: the runs make them grow
+            self.input_batch = InputBatch(self.tables.num_groups, rows=1, entries=1)
+        gathered = self.input_batch.step_tables(step)
+        kv = self.kv
+        assert kv is not None
+        if not set(self.tables.row_of) <= set(kv.tables):
+            self.mismatches.append(f"rows outlive their sequences: {self.tables.row_of}")
+        if self.tables.row_of != self.input_batch.mirror.row_of:
+            self.mismatches.append("the list and tensor copies hold different rows")
+        for i, s in enumerate(step.seqs):
+            want = kv.block_tables(s.seq_id)
+            got = self.tables.tables_of(s.seq_id)
+            # The step's tables as the real runner gathers them, each row padded with 0.
+            padded = [[*t, *[0] * (gathered[g].shape[1] - len(t))] for g, t in enumerate(want)]
+            if got != want or [gathered[g][i].tolist() for g in range(len(want))] != padded:
+                self.mismatches.append(f"sequence {s.seq_id}: {got} (runner) != {want}")
+        return sampled
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -178,6 +209,7 @@ def simulate(
         )
     runner = CountingRunner(rng.randrange(2**32), num_layers, windows)
     engine = LLMEngine(config, runner=runner)
+    runner.kv = engine.kv
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(3)]
     next_id = 0
     for _ in range(steps):
@@ -191,6 +223,7 @@ def simulate(
             engine.abort(rng.choice(list(engine.scheduler.requests)))
         engine.step()
         check_invariants(engine.scheduler)
+        assert not runner.mismatches
     for rid in list(engine.scheduler.requests):
         engine.abort(rid)
     check_invariants(engine.scheduler)
@@ -261,25 +294,30 @@ def test_speculation_accepts_rejects_preempts_and_hits() -> None:
 def test_layer_groups_drop_blocks_share_and_hit() -> None:
     """Randomized hybrid runs really give blocks back behind windows, preempt, copy on
     write and hit the prefix cache."""
-    preemptions = hits = copies = dropped = 0
+    preemptions = hits = copies = dropped = appended = 0
     for seed in range(20):
         engine = simulate(seed, steps=400, hybrid=True)
         preemptions += engine.scheduler.num_preemptions
         hits += engine.scheduler.prefix_hit_tokens
         copies += engine.runner.copies
         dropped += engine.kv.num_dropped_blocks
-    assert preemptions > 0 and hits > 0 and copies > 0 and dropped > 0
+        appended += engine.runner.appended_tables
+    assert preemptions > 0 and hits > 0 and copies > 0 and dropped > 0 and appended > 0
 
 
 def test_many_steps_with_preemptions_copies_and_cache_hits() -> None:
-    preemptions = hits = copies = 0
+    preemptions = hits = copies = whole = appended = 0
     for seed in range(20):
         engine = simulate(seed, steps=400)
         preemptions += engine.scheduler.num_preemptions
         hits += engine.scheduler.prefix_hit_tokens
         copies += engine.runner.copies
-    # The randomized runs really exercise preemption, copy-on-write and the prefix cache.
+        whole += engine.runner.whole_tables
+        appended += engine.runner.appended_tables
+    # The randomized runs really exercise preemption, copy-on-write and the prefix cache;
+    # the runner's tables mostly come as appended ids (most often none), not whole.
     assert preemptions > 0 and hits > 0 and copies > 0
+    assert appended > whole > 0
 
 
 def test_requests_run_to_completion_without_aborts() -> None:
@@ -368,3 +406,34 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_runner_rows_take_the_lowest_free_row_and_apply_changes_in_place() -> None:
+    """The runner's copy of the tables (the fake runner's lists and the real runner's
+    tensors): appended ids extend a row, whole tables replace it, gone sequences free
+    their rows, and a new sequence takes the lowest free row."""
+
+    def seq(seq_id: int, ids: tuple[int, ...], whole: bool) -> ScheduledSeq:
+        return ScheduledSeq("r", seq_id, (1,), 0, (ids,), True, replaces_tables=whole)
+
+    def step(*seqs: ScheduledSeq, finished: tuple[int, ...] = (), preempted=()) -> SchedulerOutput:
+        return SchedulerOutput(seqs, {}, (), (), finished, preempted)
+
+    store = ListTableStore(1)
+    tables = BatchTables(1, store)
+    batch = InputBatch(1, rows=1, entries=1)
+    steps = [
+        step(seq(10, (4, 5), True), seq(11, (6,), True), seq(12, (7, 8, 9), True)),
+        step(seq(10, (), False), seq(11, (3,), False), seq(12, (2,), True)),
+        step(seq(13, (1,), True), finished=(10,), preempted=(11,)),
+        step(seq(12, (), False), seq(14, (5, 5), True), seq(13, (), False)),
+    ]
+    rows = [tables.apply(s) for s in steps]
+    gathered = [batch.step_tables(s)[0].tolist() for s in steps]
+    assert rows == [[0, 1, 2], [0, 1, 2], [0], [2, 1, 0]]
+    assert gathered[1] == [[4, 5], [6, 3], [2, 0]]  # zeros past each table
+    assert gathered[3] == [[2, 0], [5, 5], [1, 0]]  # row 1 was cleared for 14
+    assert tables.row_of == batch.mirror.row_of == {12: 2, 13: 0, 14: 1}
+    assert [tables.tables_of(i) for i in (12, 13, 14)] == [((2,),), ((1,),), ((5, 5),)]
+    with pytest.raises(RuntimeError, match="no tables of it"):
+        tables.apply(step(seq(15, (1,), False)))

@@ -62,7 +62,26 @@ def build_attention_metadata(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
-    """Metadata for sequences that compute `query_lens[i]` tokens from `start_positions[i]`."""
+    """Metadata for sequences that compute `query_lens[i]` tokens from `start_positions[i]`,
+    with block tables as lists (see `metadata_from_tables` for a table tensor)."""
+    tables = _pad(block_tables, max((len(t) for t in block_tables), default=1))
+    return metadata_from_tables(
+        start_positions, query_lens, tables, logits_seq_indices, block_size, device, dtype
+    )
+
+
+def metadata_from_tables(
+    start_positions: Sequence[int],
+    query_lens: Sequence[int],
+    tables: torch.Tensor,
+    logits_seq_indices: Sequence[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> AttentionMetadata:
+    """Metadata for sequences that compute `query_lens[i]` tokens from `start_positions[i]`;
+    `tables`: the host tensor [sequences, entries] of their block tables (padded with 0),
+    taken as the metadata's own."""
     num_seqs = len(query_lens)
     starts = torch.as_tensor(start_positions, dtype=torch.long)
     qlens = torch.as_tensor(query_lens, dtype=torch.long)
@@ -71,8 +90,6 @@ def build_attention_metadata(
     num_tokens = int(qsl[-1])
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlens)
     positions = starts[seq_of_token] + torch.arange(num_tokens) - qsl[:-1][seq_of_token]
-    max_blocks = max((len(t) for t in block_tables), default=1)
-    tables = _pad(block_tables, max_blocks)
     block_of_token = tables[seq_of_token, positions // block_size]
     slot_mapping = block_of_token * block_size + positions % block_size
     context_lens = starts + qlens
@@ -125,19 +142,20 @@ class GroupedAttentionMetadata:
 def build_grouped_metadata(
     start_positions: Sequence[int],
     query_lens: Sequence[int],
-    block_tables: Sequence[Sequence[Sequence[int]]],
+    block_tables: Sequence[torch.Tensor],
     logits_seq_indices: Sequence[int],
     block_size: int,
     layer_group: Sequence[int],
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> GroupedAttentionMetadata:
-    """Metadata per layer group: `block_tables[i][g]` is sequence i's table of group g."""
+    """Metadata per layer group: `block_tables[g]` is the host tensor [sequences, entries]
+    of the sequences' tables of group g (padded with 0)."""
     num_groups = max(layer_group) + 1
-    first = build_attention_metadata(
+    first = metadata_from_tables(
         start_positions,
         query_lens,
-        [tables[0] for tables in block_tables],
+        block_tables[0],
         logits_seq_indices,
         block_size,
         device,
@@ -150,8 +168,7 @@ def build_grouped_metadata(
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qsl[1:] - qsl[:-1])
         positions = first.positions.cpu()
         for g in range(1, num_groups):
-            rows = [tables[g] for tables in block_tables]
-            tables = _pad(rows, max((len(t) for t in rows), default=1))
+            tables = block_tables[g]
             block_of_token = tables[seq_of_token, positions // block_size]
             slots = block_of_token * block_size + positions % block_size
             metas.append(

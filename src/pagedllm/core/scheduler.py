@@ -10,6 +10,13 @@ step only the accepted ones count as computed and the others' slots are given ba
 (`update_from_output`). When a running request cannot get a block, the
 most recently admitted running request is preempted by recomputation: its blocks are
 freed and it goes back to the front of the waiting queue keeping its generated tokens.
+
+The output speaks to a runner that keeps its own copy of the running sequences' block
+tables (vLLM v1's persistent batch): a sequence new to it (first scheduled, or readmitted
+after a preemption) comes with its whole tables, a running one with the block ids its
+tables gained since its last step, or whole again after an entry changed in place
+(copy-on-write, blocks given back behind a window, a truncation). The sequences that
+ended or were preempted since the last step that ran let the runner drop their rows.
 """
 
 from __future__ import annotations
@@ -49,12 +56,16 @@ class ScheduledSeq:
     seq_id: int
     token_ids: tuple[int, ...]
     start_pos: int
-    # One block table per layer group (kv/groups.py); a model of one kind has one.
-    block_tables: tuple[tuple[int, ...], ...]
+    # Per layer group (kv/groups.py; a model of one kind has one): the block ids the
+    # sequence's table gained since the runner last saw it, or, with `replaces_tables`,
+    # its whole table.
+    new_block_ids: tuple[tuple[int, ...], ...]
     needs_logits: bool  # the chunk reaches the sequence's last token
     # Proposed tokens, the chunk's last len(draft_token_ids) tokens: each of the k+1
     # positions from the sequence's last token on needs its logits row.
     draft_token_ids: tuple[int, ...] = ()
+    # New to the runner, or an entry changed in place: `new_block_ids` are whole tables.
+    replaces_tables: bool = True
 
     @property
     def num_logits_rows(self) -> int:
@@ -71,6 +82,9 @@ class SchedulerOutput:
     blocks_to_copy: tuple[tuple[int, int], ...]  # copy-on-write (source, destination)
     preempted: tuple[str, ...]
     finished_seq_ids: tuple[int, ...] = ()  # sequences gone since the last step that ran
+    # Sequences preempted since the last step that ran: their rows go, their state (a
+    # seeded generator) stays; they come back with whole tables.
+    preempted_seq_ids: tuple[int, ...] = ()
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -96,6 +110,10 @@ class Scheduler:
         self._running_seq_slots = 0
         self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
+        self._preempted_seq_ids: list[int] = []
+        # Sequence id -> (rewrites, entries) of each group's table when last scheduled:
+        # what the runner's copy holds.
+        self._sent_tables: dict[int, list[tuple[int, int]]] = {}
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -187,7 +205,7 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         for seq in req.seqs:
-            self.kv.free(seq.seq_id)
+            self._free(seq.seq_id)
             self._finished_seq_ids.append(seq.seq_id)
         req.status = RequestStatus.FINISHED
         return req
@@ -200,7 +218,7 @@ class Scheduler:
     def finish_seq(self, req: Request, seq: Sequence, keep: bool = True) -> None:
         """A sequence is done: free its blocks; the request ends with its last one.
         `keep=False` forgets it (a pruned beam) instead of keeping it for the output."""
-        self.kv.free(seq.seq_id)
+        self._free(seq.seq_id)
         self._finished_seq_ids.append(seq.seq_id)
         req.seqs.remove(seq)
         if keep:
@@ -310,28 +328,33 @@ class Scheduler:
             draft = drafts.get(request_id, ())
             end = start + chunk - len(draft)
             for seq in req.seqs:
+                new_block_ids, replaces = self._table_changes(seq.seq_id)
                 seqs.append(
                     ScheduledSeq(
                         request_id=request_id,
                         seq_id=seq.seq_id,
                         token_ids=(*seq.token_ids[start:end], *draft),
                         start_pos=start,
-                        block_tables=self.kv.block_tables(seq.seq_id),
+                        new_block_ids=new_block_ids,
                         needs_logits=end == req.num_tokens,
                         draft_token_ids=draft,
+                        replaces_tables=replaces,
                     )
                 )
         # The runner hears of ended sequences (and drops their seeded generators) only
         # through a step it runs: a step with nothing to run keeps them for the next one.
         finished: tuple[int, ...] = ()
+        gone: tuple[int, ...] = ()
         if seqs:
             finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
+            gone, self._preempted_seq_ids = tuple(self._preempted_seq_ids), []
         return SchedulerOutput(
             seqs=tuple(seqs),
             chunk_sizes=scheduled,
             blocks_to_copy=tuple(self.kv.take_copies()),
             preempted=tuple(preempted),
             finished_seq_ids=finished,
+            preempted_seq_ids=gone,
         )
 
     def update_from_output(
@@ -362,6 +385,25 @@ class Scheduler:
                 self.kv.cache_computed_blocks(seq.seq_id, token_ids, req.num_computed_tokens)
 
     # ---------------------------------------------------------------- helpers
+    def _table_changes(self, seq_id: int) -> tuple[tuple[tuple[int, ...], ...], bool]:
+        """What the runner's copy of the sequence's tables lacks: per group the entries
+        appended since it last ran, or the whole tables (True) when it has none or an
+        entry changed in place since (a truncation counts as such a change)."""
+        groups = self.kv.tables[seq_id].groups
+        now = [(t.num_rewrites, len(t.blocks)) for t in groups]
+        sent = self._sent_tables.get(seq_id)
+        if now == sent:  # most decode steps: nothing new
+            return ((),) * len(groups), False
+        self._sent_tables[seq_id] = now
+        if sent is None or any(n[0] != was[0] for n, was in zip(now, sent, strict=True)):
+            return tuple(tuple(t.blocks) for t in groups), True
+        return tuple(tuple(t.blocks[was[1] :]) for t, was in zip(groups, sent, strict=True)), False
+
+    def _free(self, seq_id: int) -> None:
+        """Give the sequence's blocks back; the runner's copy of its tables is forgotten."""
+        self.kv.free(seq_id)
+        self._sent_tables.pop(seq_id, None)
+
     def _allocate(self, req: Request, num_tokens: int) -> bool:
         return all(self.kv.allocate_slots(s.seq_id, num_tokens) for s in req.seqs)
 
@@ -395,7 +437,8 @@ class Scheduler:
         self.running.remove(req)
         self._running_seq_slots -= req.num_seq_slots
         for seq in req.seqs:
-            self.kv.free(seq.seq_id)
+            self._free(seq.seq_id)
+            self._preempted_seq_ids.append(seq.seq_id)
         req.num_computed_tokens = 0
         req.draft_token_ids = []
         req.num_preemptions += 1

@@ -37,6 +37,10 @@ class BlockTable:
         self.num_tokens = 0
         # Chained hashes of the leading full blocks already offered to the prefix cache.
         self.block_hashes: list[bytes] = []
+        # Changes to entries other than appending (a copy-on-write, blocks given back
+        # behind the window, a truncation): the scheduler sends the worker the whole
+        # table after one, the appended entries otherwise.
+        self.num_rewrites = 0
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -75,6 +79,7 @@ class BlockTable:
             dst = self.allocator.allocate()
             self.allocator.free(src)
             self.blocks[index] = dst
+            self.num_rewrites += 1
             copies.append((src, dst))
         while self.capacity < num_tokens:
             self.blocks.append(self.allocator.allocate())
@@ -95,6 +100,8 @@ class BlockTable:
         bs = self.block_size
         keep = max(-(-num_tokens // bs), self.num_dropped)
         given = []
+        if len(self.blocks) > keep:
+            self.num_rewrites += 1
         while len(self.blocks) > keep:
             block = self.blocks.pop()
             if block != self.null_block:
@@ -144,6 +151,8 @@ class BlockTable:
                 self.blocks[i] = self.null_block
                 dropped.append((i, block))
         self.num_dropped = max(self.num_dropped, end)
+        if dropped:
+            self.num_rewrites += 1
         return dropped
 
     def real_blocks(self) -> list[int]:

@@ -62,7 +62,7 @@ class DraftRunner(Protocol):
         token_ids: list[int],
         start_positions: Sequence[int],
         query_lens: Sequence[int],
-        block_tables: Sequence[Sequence[Sequence[int]]],
+        block_tables: Sequence[torch.Tensor],
         logits_seq_indices: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -78,12 +78,13 @@ class _DraftCursor:
 @dataclass(frozen=True)
 class _Speculating:
     """A sequence that proposes this step: its sample row, how many proposals, where
-    they go (from `chunk_end` on) and its block tables."""
+    they go (from `chunk_end` on) and its place among the step's sequences (the row of
+    its block table)."""
 
     row: int
     k: int
     chunk_end: int
-    block_tables: tuple[tuple[int, ...], ...]
+    index: int
 
 
 @dataclass(frozen=True)
@@ -163,9 +164,11 @@ class DraftProposer:
         step: SchedulerOutput,
         rows: Sequence[SampleRow],
         generators: Sequence[torch.Generator | None],
+        tables: Sequence[torch.Tensor],
     ) -> tuple[SchedulerOutput, list[SampleRow], torch.Tensor | None, dict[int, tuple[int, ...]]]:
         """Draw the proposals of the rows with `draft_token_ids` (placeholders: only their
-        number counts) and return the step and rows with them in place, the distributions
+        number counts), `tables` holding the step's sequences' block tables (the target's,
+        one layer group), and return the step and rows with them in place, the distributions
         they were drawn from (in row order, as the verifier takes them) and row -> its
         proposals."""
         cache = self.runner.kv_cache
@@ -176,7 +179,7 @@ class DraftProposer:
             self._cursors.pop(seq_id, None)
         row_of = {r.seq_id: i for i, r in enumerate(rows) if r.draft_token_ids}
         ids: list[int] = []
-        starts, lens, tables, logits_at = [], [], [], []
+        starts, lens, logits_at = [], [], []
         planned: list[_Planned] = []
         spec: list[_Speculating] = []
         for n, s in enumerate(step.seqs):
@@ -186,18 +189,17 @@ class DraftProposer:
             ids += [*cursor.pending, *chunk]
             starts.append(cursor.computed)
             lens.append(len(cursor.pending) + len(chunk))
-            tables.append(s.block_tables)
             row = row_of.get(s.seq_id, -1) if k else -1
             chunk_end = s.start_pos + len(chunk)
             planned.append(_Planned(s.seq_id, chunk_end, row))
             if row >= 0:
                 logits_at.append(n)
-                spec.append(_Speculating(row, k, chunk_end, s.block_tables))
+                spec.append(_Speculating(row, k, chunk_end, n))
         hidden, last = self.runner.run_tokens(cache, ids, starts, lens, tables, logits_at)
         drawn: dict[int, tuple[tuple[int, ...], torch.Tensor | None]] = {}
         if spec:
             copies = [None if g is None else _copy(g) for g in generators]
-            drawn = self._draw(hidden[last], spec, rows, copies)
+            drawn = self._draw(hidden[last], spec, rows, copies, tables[0])
         self._planned = [
             replace(p, proposals=drawn[p.row][0]) if p.row >= 0 else p for p in planned
         ]
@@ -223,6 +225,7 @@ class DraftProposer:
         spec: list[_Speculating],
         rows: Sequence[SampleRow],
         generators: Sequence[torch.Generator | None],
+        table: torch.Tensor,
     ) -> dict[int, tuple[tuple[int, ...], torch.Tensor | None]]:
         """Row -> its k proposals and their distributions [k, vocab] (None when every
         speculating row is greedy: no q is needed then): the first from
@@ -257,7 +260,7 @@ class DraftProposer:
                 [tokens[a][j - 1] for a in active],
                 [spec[a].chunk_end + j - 1 for a in active],
                 [1] * len(active),
-                [spec[a].block_tables for a in active],
+                [table[torch.tensor([spec[a].index for a in active])]],
                 list(range(len(active))),
             )
             logits = model.compute_logits(hidden[last])

@@ -3,7 +3,9 @@
 It computes nothing: each row draws a chosen token (always `token`, or random with a
 seed), with made-up log-probabilities for the candidates a beam search asks for. A row
 that checks proposed tokens (speculative decoding) keeps a deterministic number of them
-(`num_accepted`), so that runs cover both kept and rejected proposals. Driving
+(`num_accepted`), so that runs cover both kept and rejected proposals. It keeps the
+block tables as the real runner does, from each step's changes (`tables`, the same
+BatchTables over lists), so that tests can hold them against the scheduler's. Driving
 the real LLMEngine with it gives the engine's exact block, admission and preemption
 figures at thousands of steps per second, without torch.
 """
@@ -14,6 +16,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.worker.batch_tables import BatchTables, ListTableStore
 from pagedllm.worker.runner import AcceptedDrafts, ModelSpec, SampledTokens, SampleRow
 
 
@@ -45,6 +48,7 @@ class FakeModelRunner:
         self.rng = random.Random(seed) if seed is not None else None
         self.kv_bytes_per_token = kv_bytes_per_token
         self.num_accepted = num_accepted
+        self.tables = BatchTables(1, ListTableStore(1))
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.kv_bytes_per_token
@@ -56,9 +60,11 @@ class FakeModelRunner:
         layer_groups: tuple[tuple[int, ...], ...] | None = None,
         null_block: bool = False,
     ) -> None:
-        pass  # no K/V to hold
+        num_groups = 1 if layer_groups is None else len(layer_groups)
+        self.tables = BatchTables(num_groups, ListTableStore(num_groups))  # no K/V to hold
 
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+        self.tables.apply(step)
         vocab = self.spec.vocab_size
         tokens, top_ids, top_lps = [], [], []
         accepted: dict[int, AcceptedDrafts] = {}

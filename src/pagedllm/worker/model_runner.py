@@ -1,7 +1,8 @@
 """TorchModelRunner: the real model runner, one model on one device.
 
-Each step it does the copy-on-write block copies, builds the flat token batch and its
-AttentionMetadata, runs the forward, and samples the rows that need a token. It owns
+Each step it does the copy-on-write block copies, brings its persistent batch of block
+tables up to date with the step's changes (worker/input_batch.py), builds the flat token
+batch and its AttentionMetadata, runs the forward, and samples the rows that need a token. It owns
 every tensor of the engine: weights, the paged KV pool, the sampler and the random
 generators of seeded samples (keyed by sequence id, dropped when the sequence ends).
 It computes as its RunnerOptions say (worker/options.py), never reading the engine's
@@ -34,6 +35,7 @@ from pagedllm.model.linear import Int8Linear, choose_int8_gemm, observe_inputs
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.parallel import ParallelContext
 from pagedllm.worker.draft_model import DraftProposer
+from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
@@ -109,6 +111,7 @@ class TorchModelRunner:
             layer_windows=cfg.layer_windows,
         )
         self.kv_cache: PagedKVCache | None = None
+        self.input_batch: InputBatch | None = None
         kernels = ops.ops if isinstance(ops, CompiledLayerOps) else None
         generator = torch.Generator(device=self.device).manual_seed(options.seed)
         self.sampler = Sampler(generator, kernels)
@@ -195,16 +198,20 @@ class TorchModelRunner:
             layer_groups=layer_groups,
             null_block=null_block,
         )
+        self.input_batch = InputBatch(max(self.kv_cache.layer_group) + 1)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
+        if self.input_batch is None:
+            raise RuntimeError("init_kv_cache must run before the first step")
+        tables = self.input_batch.step_tables(step)
         gens = [self._generator(r) for r in rows]
         draft_probs, proposals = None, {}
         if self.draft is not None:
-            step, rows, draft_probs, proposals = self.draft.propose(step, rows, gens)
-        logits = self.forward(step)
+            step, rows, draft_probs, proposals = self.draft.propose(step, rows, gens, tables)
+        logits = self.forward(step, tables)
         sampled = SampledTokens([], [], [], [])
         if rows:
             sampled = draw_with_proposals(
@@ -215,10 +222,11 @@ class TorchModelRunner:
             sampled = replace(sampled, proposals=proposals)
         return sampled
 
-    def forward(self, step: SchedulerOutput) -> torch.Tensor:
+    def forward(self, step: SchedulerOutput, tables: Sequence[torch.Tensor]) -> torch.Tensor:
         """Logits [rows, vocab] for the scheduled sequences with `needs_logits`, in order:
         one row each, or k+1 (its last token's and each proposal's) for a sequence that
-        checks k proposed tokens."""
+        checks k proposed tokens. `tables`: the sequences' block tables per layer group
+        (InputBatch.step_tables)."""
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("init_kv_cache must run before the first step")
@@ -229,7 +237,7 @@ class TorchModelRunner:
             list(itertools.chain.from_iterable(s.token_ids for s in seqs)),
             start_positions=[s.start_pos for s in seqs],
             query_lens=[len(s.token_ids) for s in seqs],
-            block_tables=[s.block_tables for s in seqs],
+            block_tables=tables,
             logits_seq_indices=[i for i, s in enumerate(seqs) if s.needs_logits],
         )
         counts = [s.num_logits_rows for s in seqs if s.needs_logits]
@@ -250,11 +258,11 @@ class TorchModelRunner:
         cache = PagedKVCache(
             self.model_config, num_blocks, SCRATCH_BLOCK_SIZE, self.kv_dtype, self.device
         )
-        tables = [list(range(num_blocks))]  # one group: every layer allocated in full
+        tables = [torch.arange(num_blocks)[None]]  # one group: every layer allocated in full
         out = []
         for start in range(0, len(token_ids), chunk):
             ids = list(token_ids[start : start + chunk])
-            hidden, _ = self.run_tokens(cache, ids, [start], [len(ids)], [tables], [0])
+            hidden, _ = self.run_tokens(cache, ids, [start], [len(ids)], tables, [0])
             out.append(self.model.compute_logits(hidden))  # every row's, not just the last
         return torch.cat(out)
 
@@ -264,12 +272,12 @@ class TorchModelRunner:
         token_ids: list[int],
         start_positions: Sequence[int],
         query_lens: Sequence[int],
-        block_tables: Sequence[Sequence[Sequence[int]]],
+        block_tables: Sequence[torch.Tensor],
         logits_seq_indices: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a flat batch through `cache`: the final hidden states, and the
-        rows of the sequences whose logits are asked for. `block_tables[i][g]`: sequence
-        i's block table of the cache's layer group g."""
+        rows of the sequences whose logits are asked for. `block_tables[g]`: the host
+        tensor [sequences, entries] of the sequences' tables of the cache's layer group g."""
         meta = build_grouped_metadata(
             start_positions,
             query_lens,

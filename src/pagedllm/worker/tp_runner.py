@@ -5,7 +5,9 @@ bookkeeping; every step it broadcasts the plain-data SchedulerOutput to the work
 then runs its own share of the forward through a TorchModelRunner, whose sampler and
 seeded generators are the single-device runner's own: the logits it samples are the
 whole vocabulary's, gathered on rank 0. Each rank's KV pool holds its heads' share of
-every block, so the block tables are the driver's as they are.
+every block, so the block tables are the driver's as they are: the step carries only
+their changes, and each rank's runner keeps its own copy (worker/input_batch.py), so a
+step's message does not grow with the contexts.
 
 Workers are spawned here (one machine) or were started by a launcher (torchrun, env://);
 see worker/tp_group.py for how ranks meet and the timeouts that keep anything from

@@ -1,0 +1,133 @@
+"""BatchTables: a runner's own copy of the running sequences' block tables.
+
+The scheduler sends each step's changes only (core/scheduler.py): a sequence new to the
+runner with its whole tables, a running one with the ids its tables gained. This mirror
+gives each live sequence a row of a preallocated table per layer group, found through a
+slot map (sequence id -> row; a freed row is reused, the lowest first, so live rows stay
+packed at the top without moving any), and applies the changes in place. Where the rows
+live is the store's business: plain lists for the fake runner, tensors for the real one
+(worker/input_batch.py). Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Protocol
+
+from pagedllm.core.scheduler import SchedulerOutput
+
+
+class TableStore(Protocol):
+    """Where the rows' block ids live: one table [rows, entries] per layer group."""
+
+    def write(self, group: int, row: int, start: int, block_ids: Sequence[int]) -> None:
+        """Set entries `start:start+len(block_ids)` of `row` (growing the table to fit)."""
+        ...
+
+    def clear(self, group: int, row: int, length: int) -> None:
+        """Zero the first `length` entries of `row` (a row padded with zeros past its
+        table, as the attention metadata has always been)."""
+        ...
+
+    def read(self, group: int, row: int, length: int) -> list[int]:
+        """The first `length` entries of `row`."""
+        ...
+
+
+class ListTableStore:
+    """Rows as Python lists: the store of a runner without tensors."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.rows: list[list[list[int]]] = [[] for _ in range(num_groups)]
+
+    def write(self, group: int, row: int, start: int, block_ids: Sequence[int]) -> None:
+        rows = self.rows[group]
+        while len(rows) <= row:
+            rows.append([])
+        entries = rows[row]
+        entries.extend([0] * (start + len(block_ids) - len(entries)))
+        entries[start : start + len(block_ids)] = block_ids
+
+    def clear(self, group: int, row: int, length: int) -> None:
+        if row < len(self.rows[group]):
+            entries = self.rows[group][row]
+            entries[:length] = [0] * min(length, len(entries))
+
+    def read(self, group: int, row: int, length: int) -> list[int]:
+        return self.rows[group][row][:length] if length else []
+
+
+class BatchTables:
+    def __init__(self, num_groups: int, store: TableStore) -> None:
+        self.num_groups = num_groups
+        self.store = store
+        self.row_of: dict[int, int] = {}  # sequence id -> its row
+        self._free_rows: list[int] = []  # a heap: the lowest free row is taken first
+        self._num_rows = 0  # rows ever handed out: the top of the packed rows
+        # lengths[g][row]: the entries of row `row`'s table in group g
+        self.lengths: list[list[int]] = [[] for _ in range(num_groups)]
+
+    def apply(self, step: SchedulerOutput) -> list[int]:
+        """Drop the rows of the sequences gone, apply the step's table changes, and
+        return the row of each scheduled sequence, in order."""
+        for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
+            self.drop(seq_id)
+        rows = []
+        for s in step.seqs:
+            if len(s.new_block_ids) != self.num_groups:
+                raise ValueError(
+                    f"sequence {s.seq_id} has tables of {len(s.new_block_ids)} layer groups, "
+                    f"the runner {self.num_groups}"
+                )
+            row = self.row_of.get(s.seq_id)
+            if row is None:
+                if not s.replaces_tables:
+                    raise RuntimeError(
+                        f"sequence {s.seq_id} came with table changes, but the runner has "
+                        "no tables of it"
+                    )
+                row = self._new_row(s.seq_id)
+            for g, block_ids in enumerate(s.new_block_ids):
+                lengths = self.lengths[g]
+                if s.replaces_tables:
+                    self.store.clear(g, row, lengths[row])
+                    lengths[row] = 0
+                self.store.write(g, row, lengths[row], block_ids)
+                lengths[row] += len(block_ids)
+            rows.append(row)
+        return rows
+
+    def drop(self, seq_id: int) -> None:
+        """Free the sequence's row (nothing when it has none)."""
+        row = self.row_of.pop(seq_id, None)
+        if row is None:
+            return
+        for g in range(self.num_groups):
+            self.store.clear(g, row, self.lengths[g][row])
+            self.lengths[g][row] = 0
+        heapq.heappush(self._free_rows, row)
+
+    def tables_of(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
+        """The runner's copy of the sequence's tables, one per layer group (to check it
+        against the scheduler's)."""
+        row = self.row_of[seq_id]
+        return tuple(
+            tuple(self.store.read(g, row, self.lengths[g][row])) for g in range(self.num_groups)
+        )
+
+    def width(self, rows: Sequence[int], group: int) -> int:
+        """The longest table among `rows` in `group` (at least 1: a tensor's width)."""
+        lengths = self.lengths[group]
+        return max(1, max((lengths[r] for r in rows), default=1))
+
+    def _new_row(self, seq_id: int) -> int:
+        if self._free_rows:
+            row = heapq.heappop(self._free_rows)
+        else:
+            row = self._num_rows
+            self._num_rows += 1
+            for lengths in self.lengths:
+                lengths.append(0)
+        self.row_of[seq_id] = row
+        return row
