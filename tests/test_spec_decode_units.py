@@ -91,6 +91,24 @@ def test_the_proposer_agrees_with_brute_force_on_random_sequences() -> None:
             assert got == _brute_force(ids, low, high, k, prefer), (ids, low, high, k, prefer)
 
 
+def test_long_sequences_agree_with_brute_force_across_search_windows() -> None:
+    """Sequences longer than the proposer's first search window (256 tokens): matches in
+    the most recent window, in earlier ones, and ties across a window's edge."""
+    rng = random.Random(1)
+    for _ in range(120):
+        vocab = rng.choice([2, 3, 8, 40])
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(250, 1400))]
+        if rng.random() < 0.5:  # plant the suffix somewhere earlier
+            at = rng.randrange(len(ids) - 8)
+            ids[at : at + 5] = ids[-5:]
+        low = rng.randint(1, 3)
+        high, k = rng.randint(low, 6), rng.randint(1, 6)
+        for prefer in ("latest", "earliest"):
+            got = NgramProposer(low, high, k, prefer=prefer).propose(ids)  # type: ignore[arg-type]
+            assert got == _brute_force(ids, low, high, k, prefer), (len(ids), low, high, k, prefer)
+            assert NgramProposer(low, high, k, prefer=prefer).propose(tuple(ids)) == got  # type: ignore[arg-type]
+
+
 # --- configuration -------------------------------------------------------------------
 
 

@@ -3,7 +3,8 @@ RowBuilder, which builds them from the step's schedule.
 
 Plain bookkeeping between the schedule and the engine's per-request processing: which
 rows belong to which sampling request or beam search, which samples are forked at their
-first draw, and which row checks a sequence's proposed tokens.
+first draw, which row checks a sequence's proposed tokens, and which has a draft model
+propose its next ones.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class StepRows:
     forks: list[tuple[Request, Sequence, Sequence]] = field(default_factory=list)
     # request id -> the row of its one sample that checks proposed tokens
     drafts: dict[str, int] = field(default_factory=dict)
+    # request id -> the row of its one sample whose next tokens a draft model proposes
+    proposers: dict[str, int] = field(default_factory=dict)
 
 
 def raise_row_errors(sampled: SampledTokens, rows: Iterable[int]) -> None:
@@ -113,11 +116,13 @@ class RowBuilder:
                 self.grammars.fork(seq.seq_id, target.seq_id)
             rows.samples.setdefault(req.request_id, (req, []))[1].append((target, len(rows.rows)))
             row = self._sample_row(logits_row, req, target)
-            if draft:  # only a lone sample speculates: `target` is `seq`
-                row = replace(
-                    row, draft_token_ids=draft, num_output_tokens=target.num_output_tokens
-                )
+            # Only a lone sample speculates: `target` is `seq`.
+            if draft:
+                row = replace(row, draft_token_ids=draft)
                 rows.drafts[req.request_id] = len(rows.rows)
+            if req.num_lookahead_tokens:
+                row = replace(row, num_proposals=req.num_lookahead_tokens)
+                rows.proposers[req.request_id] = len(rows.rows)
             rows.rows.append(row)
 
     def _samples_for(self, req: Request, seq: Sequence) -> list[Sequence]:
@@ -156,4 +161,5 @@ class RowBuilder:
             suppressed_ids=suppressed,
             num_logprobs=params.logprobs or 0,
             grammar=grammar,
+            num_output_tokens=n_out,
         )

@@ -5,9 +5,9 @@ AttentionMetadata, runs the forward, and samples the rows that need a token. It 
 every tensor of the engine: weights, the paged KV pool, the sampler and the random
 generators of seeded samples (keyed by sequence id, dropped when the sequence ends).
 It computes as its RunnerOptions say (worker/options.py), never reading the engine's
-configuration. With a draft model (worker/draft_model.py) it also draws each speculating
-row's proposals before the forward pass, and checks them against the draft's
-distributions.
+configuration. With a draft model (worker/draft_model.py) it checks the proposals the
+draft drew after the last step against the draft's distributions, and after drawing the
+step's tokens has the draft propose the next step's.
 """
 
 from __future__ import annotations
@@ -201,9 +201,7 @@ class TorchModelRunner:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
         gens = [self._generator(r) for r in rows]
-        draft_probs, proposals = None, {}
-        if self.draft is not None:
-            step, rows, draft_probs, proposals = self.draft.propose(step, rows, gens)
+        draft_probs = self.draft.draft_probs(rows) if self.draft is not None else None
         logits = self.forward(step)
         sampled = SampledTokens([], [], [], [])
         if rows:
@@ -211,8 +209,8 @@ class TorchModelRunner:
                 self.sampler, self.verifier, logits, rows, gens, draft_probs
             )
         if self.draft is not None:
-            self.draft.after_step(sampled)
-            sampled = replace(sampled, proposals=proposals)
+            proposals = self.draft.propose(step, rows, sampled, gens)
+            sampled = replace(sampled, next_proposals=proposals)
         return sampled
 
     def forward(self, step: SchedulerOutput) -> torch.Tensor:

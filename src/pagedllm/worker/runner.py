@@ -54,11 +54,12 @@ class SampleRow:
     grammar: TokenMask | None = None  # structured output: only its allowed tokens are drawn
     # Speculative decoding: the proposed tokens this row checks. Its logits are then the
     # k+1 rows from logits_row on; the runner keeps the proposals the model agrees with
-    # (worker/spec_verify.py) and draws one token of its own after them. A runner with a
-    # draft model reads only their number: it draws the proposals itself (placeholders
-    # here) and reports them in SampledTokens.proposals.
+    # (worker/spec_verify.py) and draws one token of its own after them.
     draft_token_ids: tuple[int, ...] = ()
     num_output_tokens: int = 0  # output tokens before this step (min_tokens per position)
+    # A runner with a draft model: after the draw, propose up to this many tokens for the
+    # sequence's next step (SampledTokens.next_proposals).
+    num_proposals: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,9 @@ class SampledTokens:
     # row -> its kept proposals, for every row that checked proposals (SampleRow's
     # draft_token_ids), even when it kept none
     accepted: dict[int, AcceptedDrafts] = field(default_factory=dict)
-    # row -> the proposals the runner itself drew and checked in place of the row's
-    # draft_token_ids (a draft model's, worker/draft_model.py); empty when the rows'
-    # proposals were checked as given
-    proposals: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # row -> the tokens a draft model proposes for its sequence's next step, drawn after
+    # this step's tokens (rows with num_proposals; worker/draft_model.py)
+    next_proposals: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):
