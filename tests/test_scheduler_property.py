@@ -48,9 +48,11 @@ class CountingRunner(FakeModelRunner):
         super().__init__(spec, seed=seed)
         self.copies = 0
 
-    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+    def execute(
+        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: object = None
+    ) -> SampledTokens:
         self.copies += len(step.blocks_to_copy)
-        return super().execute(step, rows)
+        return super().execute(step, rows, grammar_bitmask)
 
 
 def check_invariants(sched: Scheduler) -> None:

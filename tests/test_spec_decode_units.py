@@ -386,16 +386,11 @@ def test_a_seeded_row_draws_the_tokens_of_decoding_one_at_a_time() -> None:
     assert torch.equal(seeded.get_state(), one_at_a_time.get_state())
 
 
-class _Grammar:
-    def fill_bitmask(self, bitmask: object, row: int) -> None:
-        raise AssertionError("never asked: the row fails before any mask")
-
-
 def test_a_failing_row_fails_alone() -> None:
     logits = torch.randn(9, 20, generator=torch.Generator().manual_seed(8))
     greedy = SamplingParams(temperature=0)
     good = SpecRow(SampleRow(0, 0, greedy), [int(logits[0].argmax())], 0)
-    with_grammar = SpecRow(SampleRow(2, 1, greedy, grammar=_Grammar()), [4], 0)
+    with_grammar = SpecRow(SampleRow(2, 1, greedy, grammar_row=0), [4], 0)
     out_of_vocab = SpecRow(SampleRow(4, 2, greedy), [20], 0)
     past_the_logits = SpecRow(SampleRow(6, 3, greedy), [1, 2, 3], 0)
     last = SpecRow(SampleRow(7, 4, SamplingParams(temperature=1.0)), [2], 0)

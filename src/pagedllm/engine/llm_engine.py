@@ -365,7 +365,7 @@ class LLMEngine:
         self.num_steps += 1
         rows, failed = self.rows.rows_of(step)
         try:
-            sampled = self.runner.execute(step, rows.rows)
+            sampled = self.runner.execute(step, rows.rows, rows.grammar_bitmask)
         except Exception as exc:
             return self._forward_failed(step, rows, exc)
         accepted: dict[str, list[int]] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.worker.runner import AcceptedDrafts, ModelSpec, SampledTokens, SampleRow
@@ -58,7 +59,10 @@ class FakeModelRunner:
     ) -> None:
         pass  # no K/V to hold
 
-    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+    def execute(
+        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+    ) -> SampledTokens:
+        # No logits to mask: a row with a grammar draws `token` like any other.
         vocab = self.spec.vocab_size
         tokens, top_ids, top_lps = [], [], []
         accepted: dict[int, AcceptedDrafts] = {}

@@ -197,7 +197,9 @@ class TorchModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+    def execute(
+        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+    ) -> SampledTokens:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
         gens = [self._generator(r) for r in rows]
@@ -206,7 +208,7 @@ class TorchModelRunner:
         sampled = SampledTokens([], [], [], [])
         if rows:
             sampled = draw_with_proposals(
-                self.sampler, self.verifier, logits, rows, gens, draft_probs
+                self.sampler, self.verifier, logits, rows, gens, draft_probs, grammar_bitmask
             )
         if self.draft is not None:
             proposals = self.draft.propose(step, rows, sampled, gens)
