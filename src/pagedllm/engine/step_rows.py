@@ -37,7 +37,8 @@ class StepRows:
     drafts: dict[str, int] = field(default_factory=dict)
     # request id -> the row of its one sample whose next tokens a draft model proposes
     proposers: dict[str, int] = field(default_factory=dict)
-    # The grammar rows' token bitmask (engine/grammars.py), None when no row has a grammar
+    # Rows that follow a grammar, and their token bitmask (engine/grammars.py; row i of
+    # it is the row whose grammar_row is i), None when no row has a grammar
     num_grammar_rows: int = 0
     grammar_bitmask: Any = None
 
