@@ -14,7 +14,7 @@ Cost: the ids are read in place (no copy). Candidate positions are found with
 full-length match in a recent window ends the search) or from the start ("earliest"),
 each checked over at most prompt_lookup_max tokens: O(len * prompt_lookup_max) in the
 worst case, O(len) when nothing matches. At 8,192 tokens with prompt_lookup 1..5 and k 5,
-on a shared 2-core Zen 3 machine: ids drawn at random from a 49,152-token vocabulary (the
+on a shared 2-core Intel Xeon machine: ids drawn at random from a 49,152-token vocabulary (the
 scan finds almost no candidate) 0.08-0.14 ms per call; a worst case where every other
 token equals the last one but no candidate extends past it 1.9-2.2 ms (either
 preference). The engine asks only for requests that decode one token next step.
