@@ -54,7 +54,8 @@ class Speculation:
         """A new request: with a draft model, the lookahead its first step that reaches
         the prompt's end claims, so that the draft proposes for its first decode."""
         if self.proposer is None:
-            req.num_lookahead_tokens = min(self.config.num_speculative_tokens, self._room(req))
+            k = self.config.num_speculative_tokens
+            req.num_lookahead_tokens = max(0, min(k, self._room(req)))
 
     def propose(self, scheduler: Scheduler) -> None:
         """Before a step: set `draft_token_ids` of each running request (its proposals
