@@ -60,11 +60,13 @@ class CountingRunner(FakeModelRunner):
         self.mismatches: list[str] = []
         self.input_batch: InputBatch | None = None
 
-    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+    def execute(
+        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: object = None
+    ) -> SampledTokens:
         self.copies += len(step.blocks_to_copy)
         self.whole_tables += sum(s.replaces_tables for s in step.seqs)
         self.appended_tables += sum(not s.replaces_tables for s in step.seqs)
-        sampled = super().execute(step, rows)
+        sampled = super().execute(step, rows, grammar_bitmask)
         if self.input_batch is None:  # tables as small as can be: the runs make them grow
             self.input_batch = InputBatch(self.tables.num_groups, rows=1, entries=1)
         gathered = self.input_batch.step_tables(step)

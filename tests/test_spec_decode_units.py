@@ -91,6 +91,24 @@ def test_the_proposer_agrees_with_brute_force_on_random_sequences() -> None:
             assert got == _brute_force(ids, low, high, k, prefer), (ids, low, high, k, prefer)
 
 
+def test_long_sequences_agree_with_brute_force_across_search_windows() -> None:
+    """Sequences longer than the proposer's first search window (256 tokens): matches in
+    the most recent window, in earlier ones, and ties across a window's edge."""
+    rng = random.Random(1)
+    for _ in range(120):
+        vocab = rng.choice([2, 3, 8, 40])
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(250, 1400))]
+        if rng.random() < 0.5:  # plant the suffix somewhere earlier
+            at = rng.randrange(len(ids) - 8)
+            ids[at : at + 5] = ids[-5:]
+        low = rng.randint(1, 3)
+        high, k = rng.randint(low, 6), rng.randint(1, 6)
+        for prefer in ("latest", "earliest"):
+            got = NgramProposer(low, high, k, prefer=prefer).propose(ids)  # type: ignore[arg-type]
+            assert got == _brute_force(ids, low, high, k, prefer), (len(ids), low, high, k, prefer)
+            assert NgramProposer(low, high, k, prefer=prefer).propose(tuple(ids)) == got  # type: ignore[arg-type]
+
+
 # --- configuration -------------------------------------------------------------------
 
 
@@ -368,16 +386,11 @@ def test_a_seeded_row_draws_the_tokens_of_decoding_one_at_a_time() -> None:
     assert torch.equal(seeded.get_state(), one_at_a_time.get_state())
 
 
-class _Grammar:
-    def fill_bitmask(self, bitmask: object, row: int) -> None:
-        raise AssertionError("never asked: the row fails before any mask")
-
-
 def test_a_failing_row_fails_alone() -> None:
     logits = torch.randn(9, 20, generator=torch.Generator().manual_seed(8))
     greedy = SamplingParams(temperature=0)
     good = SpecRow(SampleRow(0, 0, greedy), [int(logits[0].argmax())], 0)
-    with_grammar = SpecRow(SampleRow(2, 1, greedy, grammar=_Grammar()), [4], 0)
+    with_grammar = SpecRow(SampleRow(2, 1, greedy, grammar_row=0), [4], 0)
     out_of_vocab = SpecRow(SampleRow(4, 2, greedy), [20], 0)
     past_the_logits = SpecRow(SampleRow(6, 3, greedy), [1, 2, 3], 0)
     last = SpecRow(SampleRow(7, 4, SamplingParams(temperature=1.0)), [2], 0)

@@ -124,6 +124,69 @@ def test_prefix_cache_hits_keep_the_draft_in_step(tiny_llama_dir, prompts, plain
     assert snap.spec_accepted_tokens == snap.spec_proposed_tokens > 0
 
 
+def test_a_step_checks_the_proposals_drawn_after_the_step_before(
+    tiny_llama_dir, other_draft, prompts, plain
+):
+    """The runner proposes after a step; the next step schedules those tokens (cut to the
+    room) as the chunk's last ones, and its rows check exactly them. After each step a
+    table holds only the computed tokens: the lookahead slots the draft wrote into came
+    back. Preempted under a small pool, with a budget that cuts proposals."""
+    llm = LLM(
+        str(tiny_llama_dir),
+        block_size=4,
+        num_kv_blocks=15,
+        watermark=0.0,
+        max_num_batched_tokens=6,
+        **draft(other_draft, k=2),
+    )
+    engine, kv = llm.engine, llm.engine.kv
+    execute = engine.runner.execute
+    seen: list = []
+
+    def recording(step, rows, grammar_bitmask=None):
+        sampled = execute(step, rows, grammar_bitmask)
+        seen.append((step, list(rows), sampled))
+        return sampled
+
+    engine.runner.execute = recording
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        for req in engine.scheduler.running:
+            assert kv.table(req.seqs[0].seq_id).num_tokens == req.num_computed_tokens
+    assert [done[str(i)] for i in range(len(prompts))] == plain
+    assert kv.num_free_blocks == kv.num_blocks
+    checked = 0
+    proposed: dict[int, tuple[int, ...]] = {}
+    for step, rows, sampled in seen:
+        row_of = {r.seq_id: r for r in rows}
+        for s in step.seqs:
+            k = len(s.draft_token_ids)
+            if k:
+                assert s.token_ids[-k:] == s.draft_token_ids
+                assert row_of[s.seq_id].draft_token_ids == s.draft_token_ids
+                assert proposed[s.seq_id][:k] == s.draft_token_ids
+                checked += 1
+        proposed = {rows[i].seq_id: p for i, p in sampled.next_proposals.items()}
+    assert checked == engine.snapshot().spec_checks > 0
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_no_proposal_is_checked_at_the_batch_size_that_stops_speculation(
+    tiny_llama_dir, prompts, plain
+):
+    """The draft proposes after the prefill, but with two sequences running the next step
+    drops those proposals (disable_by_batch_size 2): none is checked, the tokens stay."""
+    options = draft(tiny_llama_dir, speculative_disable_by_batch_size=2)
+    tokens, llm = run(tiny_llama_dir, prompts[:2], **options)
+    assert tokens == plain[:2]
+    assert llm.engine.snapshot().spec_proposed_tokens == 0
+
+
 def test_int8_self_draft_changes_no_token(tiny_llama_dir, prompts, plain):
     tokens, llm = run(
         tiny_llama_dir, prompts, **draft(tiny_llama_dir, speculative_quantization="int8")

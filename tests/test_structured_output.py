@@ -6,11 +6,13 @@ changing them, fork with n > 1, survive preemption, and fail alone."""
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 from live_server import OPTIONS
 from pagedllm import LLM, SamplingParams, StructuredOutputs
@@ -270,6 +272,47 @@ def test_compiled_once_then_cached(llm: LLM) -> None:
     assert all(re.fullmatch("[xyz]{4}", o.outputs[0].text) for o in outs)
 
 
+def test_the_runner_gets_plain_rows_and_one_reused_bitmask(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's rows hold no matcher (they pickle), only their row of the step's int32
+    bitmask, which the engine fills and reuses step after step; each drawn token is one
+    its row allowed. Two samples of a choice (n 2) beside an unconstrained request."""
+    engine = llm.engine
+    execute = engine.runner.execute
+    seen: list[tuple[list[int], Any]] = []
+
+    def recording(step: Any, rows: Any, grammar_bitmask: Any = None) -> Any:
+        rows = pickle.loads(pickle.dumps(list(rows)))
+        sampled = execute(step, rows, grammar_bitmask)
+        grammar_rows = [r.grammar_row for r in rows]
+        for i, m in enumerate(grammar_rows):
+            if m >= 0:
+                t = sampled.token_ids[i]
+                assert (int(grammar_bitmask[m, t // 32]) >> (t % 32)) & 1
+        seen.append((grammar_rows, grammar_bitmask))
+        return sampled
+
+    monkeypatch.setattr(engine.runner, "execute", recording)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    choices = ["yes", "no", "maybe"]
+    outs = llm.generate(
+        [PROMPT, "Hello there"], [structured(n=2, choice=choices), plain], use_tqdm=False
+    )
+    assert all(c.text in choices for c in outs[0].outputs) and len(outs[0].outputs) == 2
+    with_grammar = [(rows, mask) for rows, mask in seen if max(rows, default=-1) >= 0]
+    assert with_grammar and all(
+        sorted(m for m in rows if m >= 0) == list(range(sum(m >= 0 for m in rows)))
+        for rows, _ in with_grammar
+    )
+    assert any(sum(m >= 0 for m in rows) == 2 for rows, _ in with_grammar)  # both samples
+    masks = {id(mask) for _, mask in with_grammar}
+    assert len(masks) == 1  # one tensor, refilled each step
+    mask = with_grammar[0][1]
+    assert mask.dtype == torch.int32 and mask.shape[1] == -(-engine.vocab_size // 32)
+    assert all(mask is None for rows, mask in seen if max(rows, default=-1) < 0)
+
+
 def test_a_grammar_failure_fails_only_its_request(llm: LLM) -> None:
     engine = llm.engine
     plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -282,7 +325,7 @@ def test_a_grammar_failure_fails_only_its_request(llm: LLM) -> None:
     def grammar_of(request_id: str) -> Any:
         return engine.grammars.get(engine.scheduler.requests[request_id].seqs[0].seq_id)
 
-    # One matcher rejects every token (in the engine), one raises (in the sampler).
+    # One matcher rejects every token, one raises filling its row of the step's bitmask.
     grammar_of("victim").accept = lambda token_id: False
 
     def broken(bitmask: Any, row: int) -> None:

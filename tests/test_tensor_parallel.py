@@ -110,9 +110,11 @@ def test_preemption_prefix_caching_and_copy_on_write(
     copies: list[tuple[int, int]] = []
     execute = split.engine.runner.execute
 
-    def recording(step: SchedulerOutput, rows: list[SampleRow]) -> SampledTokens:
+    def recording(
+        step: SchedulerOutput, rows: list[SampleRow], grammar_bitmask: object = None
+    ) -> SampledTokens:
         copies.extend(step.blocks_to_copy)
-        return execute(step, rows)
+        return execute(step, rows, grammar_bitmask)
 
     monkeypatch.setattr(split.engine.runner, "execute", recording)
     shared = list(range(40, 60))  # two full blocks every prompt starts with

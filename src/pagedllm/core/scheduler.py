@@ -7,9 +7,11 @@ chunks; decode and prefill share a step. A decoding request with proposed tokens
 (speculative decoding, `Request.draft_token_ids`) computes its last token and the k
 proposals in one chunk of k+1 lookahead slots, counted in the token budget; after the
 step only the accepted ones count as computed and the others' slots are given back
-(`update_from_output`). When a running request cannot get a block, the
-most recently admitted running request is preempted by recomputation: its blocks are
-freed and it goes back to the front of the waiting queue keeping its generated tokens.
+(`update_from_output`), as are the slots a step reaching a request's last token claims
+past it for a draft model's next proposals (`Request.num_lookahead_tokens`). When a
+running request cannot get a block, the most recently admitted running request is
+preempted by recomputation: its blocks are freed and it goes back to the front of the
+waiting queue keeping its generated tokens.
 
 The output speaks to a runner that keeps its own copy of the running sequences' block
 tables (vLLM v1's persistent batch): a sequence new to it (first scheduled, or readmitted
@@ -114,6 +116,8 @@ class Scheduler:
         # Sequence id -> (rewrites, entries) of each group's table when last scheduled:
         # what the runner's copy holds.
         self._sent_tables: dict[int, list[tuple[int, int]]] = {}
+        # Request id -> lookahead slots the last schedule() claimed past its chunk.
+        self._lookahead: dict[str, int] = {}
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -270,6 +274,7 @@ class Scheduler:
     # --------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        self._lookahead = {}
         scheduled: dict[str, int] = {}
         drafts: dict[str, tuple[int, ...]] = {}  # request id -> proposals it checks
         preempted: list[str] = []
@@ -292,6 +297,7 @@ class Scheduler:
                     drafts[req.request_id] = tuple(draft)
                     scheduled[req.request_id] = 1 + len(draft)
                     budget -= 1 + len(draft)
+                    self._claim_lookahead(req, req.num_tokens + len(draft))
                     continue
             while not self._allocate(req, req.num_computed_tokens + chunk):
                 victim = self.running[-1]
@@ -305,6 +311,7 @@ class Scheduler:
             else:
                 scheduled[req.request_id] = chunk
                 budget -= chunk * k
+                self._claim_lookahead(req, req.num_computed_tokens + chunk)
 
         # New (or preempted) requests, unless this step already had to preempt.
         while self.waiting and budget > 0 and not preempted:
@@ -320,6 +327,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             scheduled[req.request_id] = chunk
             budget -= chunk * len(req.seqs)
+            self._claim_lookahead(req, req.num_computed_tokens + chunk)
 
         seqs = []
         for request_id, chunk in scheduled.items():
@@ -377,10 +385,12 @@ class Scheduler:
             if kept != list(draft[: len(kept)]):
                 raise ValueError(f"request {request_id}: accepted tokens are not its proposals")
             req.num_computed_tokens += chunk - len(draft) + len(kept)
+            lookahead = len(draft) + self._lookahead.get(request_id, 0)
             for seq in req.seqs:
                 token_ids: list[int] = seq.token_ids
+                if lookahead:
+                    self.kv.trim_slots(seq.seq_id, req.num_computed_tokens, lookahead)
                 if draft:
-                    self.kv.trim_slots(seq.seq_id, req.num_computed_tokens, len(draft))
                     token_ids = [*seq.token_ids, *kept]
                 self.kv.cache_computed_blocks(seq.seq_id, token_ids, req.num_computed_tokens)
 
@@ -406,6 +416,13 @@ class Scheduler:
 
     def _allocate(self, req: Request, num_tokens: int) -> bool:
         return all(self.kv.allocate_slots(s.seq_id, num_tokens) for s in req.seqs)
+
+    def _claim_lookahead(self, req: Request, num_tokens: int) -> None:
+        """Claim `req.num_lookahead_tokens` slots past `num_tokens` when the step computes
+        up to its last token; from free blocks only (they preempt nobody), else none."""
+        n = req.num_lookahead_tokens
+        if n and num_tokens >= req.num_tokens and self._allocate(req, num_tokens + n):
+            self._lookahead[req.request_id] = n
 
     def _admit(self, req: Request, budget: int) -> int:
         """Allocate a waiting request's first chunk; the chunk size, or 0 if it must wait."""

@@ -62,6 +62,10 @@ class Request:
     # Tokens proposed for its one sequence by speculative decoding, for the next step to
     # check (set before each step, taken by the scheduler; empty: none).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Slots past its tokens (and proposals) that a step computing up to its last token
+    # also claims, from free blocks only, for a draft model to write the proposals it
+    # draws after that step (set by the engine; 0: none).
+    num_lookahead_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,9 @@ sequence that follows a grammar, by sequence id.
 A matcher advances with each token the engine accepts, so it survives preemption by
 recompute (the accepted tokens stay) and is forked with a parallel sample. A token the
 grammar rejects raises GrammarError: the engine fails that request alone.
+Each step the matchers of the step's grammar rows write the tokens they allow into one
+int32 bitmask (pagedllm/structured/bitmask.py), allocated at the first grammar row and
+reused after: the runner gets that plain tensor, never a matcher.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pagedllm.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:
     from pagedllm.core.sequence import Sequence
+    from pagedllm.structured.bitmask import StepBitmask
     from pagedllm.structured.grammar import GrammarCompiler, GrammarState
 
 
@@ -35,6 +39,7 @@ class Grammars:
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()  # the compiler is built once, by whichever thread
         self._states: dict[int, GrammarState] = {}  # sequence id -> its matcher
+        self._bitmask: StepBitmask | None = None  # built at the first grammar row
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -81,6 +86,25 @@ class Grammars:
         state = self._states.get(parent_id)
         if state is not None:
             self._states[child_id] = state.fork()
+
+    def fill_bitmask(self, seq_id: int, row: int) -> None:
+        """Row `row` of the step's bitmask gets the tokens the sequence's grammar allows
+        next."""
+        state = self._states[seq_id]
+        if self._bitmask is None:
+            from pagedllm.structured.bitmask import StepBitmask
+
+            self._bitmask = StepBitmask(self._vocab_size)
+        try:
+            self._bitmask.fill(row, state)
+        except Exception as exc:
+            raise GrammarError(f"the grammar's matcher failed: {exc}") from exc
+
+    @property
+    def bitmask(self) -> Any:
+        """The step's bitmask (an int32 tensor, one row per grammar row that
+        `fill_bitmask` wrote); None before the first grammar row."""
+        return self._bitmask.tensor if self._bitmask is not None else None
 
     def accept(self, seq_id: int, token_id: int) -> None:
         """Advance the sequence's matcher (if it has one) by its new token."""

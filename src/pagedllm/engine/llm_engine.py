@@ -21,10 +21,11 @@ comes back as a finished RequestOutput with `error` set; the others go on as the
 have.
 
 Speculative decoding (`speculative_method="ngram"` or `"draft"`, engine/speculation.py):
-before a step each eligible decoding request gets proposed tokens (a draft model's are
-drawn by the runner, which reports them with the step's tokens), the step checks them in
-one forward pass over k+1 positions, and the request keeps the accepted ones (cut at a
-stop, EOS or max_tokens as if drawn one by one) plus the model's own next token.
+before a step each eligible decoding request gets proposed tokens (the n-gram proposer's,
+or those the runner's draft model drew after the previous step and reported with its
+tokens), scheduled as real tokens; the step checks them in one forward pass over k+1
+positions, and the request keeps the accepted ones (cut at a stop, EOS or max_tokens as
+if drawn one by one) plus the model's own next token.
 
 Outside code reads the engine through `snapshot()` and listens through `add_listener()`
 (engine/listeners.py) or `record_kv()`; nothing outside engine/ touches its scheduler,
@@ -208,6 +209,8 @@ class LLMEngine:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             prompt=prompt if isinstance(prompt, str) else None,
         )
+        if self.speculation is not None:
+            self.speculation.prepare(request)
         self.scheduler.add_request(request)
         if isinstance(params, BeamSearchParams):
             self._beams[request_id] = BeamState(params, frozenset(self.eos_token_ids))
@@ -365,12 +368,11 @@ class LLMEngine:
         self.num_steps += 1
         rows, failed = self.rows.rows_of(step)
         try:
-            sampled = self.runner.execute(step, rows.rows)
+            sampled = self.runner.execute(step, rows.rows, rows.grammar_bitmask)
         except Exception as exc:
             return self._forward_failed(step, rows, exc)
         accepted: dict[str, list[int]] = {}
         if self.speculation is not None:
-            step = self.speculation.with_proposals(step, rows, sampled)
             accepted = self.speculation.accepted(step, rows, sampled)
         self.scheduler.update_from_output(step, accepted)
         # Forked once the prompt's blocks are hashed: the samples inherit the hashes
@@ -378,6 +380,8 @@ class LLMEngine:
         self._fork(rows.forks)
         ran = self.snapshot()
         outputs = self._process(sampled, rows, failed)
+        if self.speculation is not None:
+            self.speculation.keep_proposals(rows, sampled)
         self.listeners.step_end(step, outputs, ran)
         return outputs
 

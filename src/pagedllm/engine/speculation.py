@@ -1,20 +1,20 @@
-"""Speculation: which requests propose tokens before a step, and what they kept after.
+"""Speculation: which requests check proposed tokens in a step, and what they kept after.
 
-Before each step, every running request that decodes one sequence (n = 1, no best_of, no
-beam search, no grammar: proposals are not checked against a grammar) gets up to k tokens,
-capped so that its accepted tokens plus the model's own cannot pass max_tokens or
-max_model_len: from the n-gram proposer (spec/ngram.py), or, with a draft model, k
-placeholders that reserve the lookahead slots and logits rows, for the runner to replace
-with the draft's proposals (worker/draft_model.py; `with_proposals` puts the real ones
-back into the step). Nothing is proposed while as many sequences as
+A request speculates when it decodes one sequence (n = 1, no best_of, no beam search, no
+grammar: proposals are not checked against a grammar). Before each step, each such
+request that decodes next gets up to k proposals as real tokens of its next chunk
+(`Request.draft_token_ids`), capped so that its accepted tokens plus the model's own
+cannot pass max_tokens or max_model_len: the n-gram proposer's (spec/ngram.py), or those
+the runner's draft model drew after the previous step (worker/draft_model.py; the engine
+keeps them on the request, `keep_proposals`). With a draft model each such request also
+asks for lookahead slots (`Request.num_lookahead_tokens`), into which the draft writes
+the proposals it draws after the step. Nothing is proposed while as many sequences as
 `disable_by_batch_size` or more are running. After the step, the runner's `accepted`
 tokens say how far each such request's K/V counts as computed.
 Plain bookkeeping: no torch.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.sequence import Request, RequestStatus
@@ -24,9 +24,6 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec.config import SpeculativeConfig
 from pagedllm.spec.ngram import NgramProposer
 from pagedllm.worker.runner import SampledTokens
-
-# What a draft model's proposals are before the runner draws them: any valid token id.
-PLACEHOLDER_TOKEN = 0
 
 
 class Speculation:
@@ -53,29 +50,39 @@ class Speculation:
         """(checks, proposed tokens, accepted tokens) so far, for the snapshot."""
         return self.num_checks, self.num_proposed, self.num_accepted
 
+    def prepare(self, req: Request) -> None:
+        """A new request: with a draft model, the lookahead its first step that reaches
+        the prompt's end claims, so that the draft proposes for its first decode."""
+        if self.proposer is None:
+            k = self.config.num_speculative_tokens
+            req.num_lookahead_tokens = max(0, min(k, self._room(req)))
+
     def propose(self, scheduler: Scheduler) -> None:
-        """Set `draft_token_ids` of each running request: its proposals this step, or
-        none."""
+        """Before a step: set `draft_token_ids` of each running request (its proposals
+        this step, or none) and, with a draft model, `num_lookahead_tokens`."""
         speculates = self.config.speculates_at(scheduler.num_running_seqs)
+        k = self.config.num_speculative_tokens
         for req in scheduler.running:
             room = self._room(req) if speculates else 0
-            if room <= 0:
-                req.draft_token_ids = []
-            elif self.proposer is None:
-                k = min(room, self.config.num_speculative_tokens)
-                req.draft_token_ids = [PLACEHOLDER_TOKEN] * k
+            decodes = room > 0 and req.num_tokens - req.num_computed_tokens == 1
+            if self.proposer is not None:
+                ids = req.seqs[0].token_ids
+                req.draft_token_ids = self.proposer.propose(ids)[:room] if decodes else []
             else:
-                req.draft_token_ids = self.proposer.propose(req.seqs[0].token_ids)[:room]
+                # The draft's proposals are for a request that decodes, made after the
+                # step before: cut to the room it has now.
+                req.draft_token_ids = req.draft_token_ids[:room] if decodes else []
+                req.num_lookahead_tokens = max(0, min(k, room - len(req.draft_token_ids)))
 
     def _room(self, req: Request) -> int:
-        """How many tokens `req` may propose now: 0 unless it decodes one sequence."""
+        """How many tokens `req` may propose after its next token: 0 unless it is running
+        or waiting with one sequence to decode, free of a grammar."""
         params = req.params
         if (
-            req.status is not RequestStatus.RUNNING
+            req.status is RequestStatus.FINISHED
             or not isinstance(params, SamplingParams)
             or params.num_seqs != 1
             or len(req.seqs) != 1
-            or req.num_tokens - req.num_computed_tokens != 1
         ):
             return 0
         seq = req.seqs[0]
@@ -86,33 +93,6 @@ class Speculation:
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         return room
-
-    @staticmethod
-    def with_proposals(
-        step: SchedulerOutput, rows: StepRows, sampled: SampledTokens
-    ) -> SchedulerOutput:
-        """`step` with the proposals the runner drew (a draft model's) in place of the
-        placeholders, so that what follows sees the tokens that were checked."""
-        if not sampled.proposals:
-            return step
-        drawn = {
-            request_id: tuple(sampled.proposals[i])
-            for request_id, i in rows.drafts.items()
-            if i in sampled.proposals
-        }
-        seqs = []
-        for s in step.seqs:
-            real = drawn.get(s.request_id)
-            if real is not None and s.draft_token_ids:
-                k = len(s.draft_token_ids)
-                if len(real) != k:
-                    raise RuntimeError(
-                        f"request {s.request_id}: the runner drew {len(real)} proposals "
-                        f"for {k} slots"
-                    )
-                s = replace(s, token_ids=(*s.token_ids[:-k], *real), draft_token_ids=real)
-            seqs.append(s)
-        return replace(step, seqs=tuple(seqs))
 
     def accepted(
         self, step: SchedulerOutput, rows: StepRows, sampled: SampledTokens
@@ -129,3 +109,12 @@ class Speculation:
                 self.num_proposed += len(s.draft_token_ids)
                 self.num_accepted += len(out[s.request_id])
         return out
+
+    @staticmethod
+    def keep_proposals(rows: StepRows, sampled: SampledTokens) -> None:
+        """After the step's tokens are appended: each request whose row had the draft
+        propose its next tokens keeps them for the next step, unless the step ended it."""
+        for request_id, i in rows.proposers.items():
+            req = rows.samples[request_id][0]
+            if req.status is RequestStatus.RUNNING and req.seqs:
+                req.draft_token_ids = list(sampled.next_proposals.get(i, ()))

@@ -3,13 +3,15 @@ RowBuilder, which builds them from the step's schedule.
 
 Plain bookkeeping between the schedule and the engine's per-request processing: which
 rows belong to which sampling request or beam search, which samples are forked at their
-first draw, and which row checks a sequence's proposed tokens.
+first draw, which row checks a sequence's proposed tokens, and which has a draft model
+propose its next ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
@@ -33,6 +35,12 @@ class StepRows:
     forks: list[tuple[Request, Sequence, Sequence]] = field(default_factory=list)
     # request id -> the row of its one sample that checks proposed tokens
     drafts: dict[str, int] = field(default_factory=dict)
+    # request id -> the row of its one sample whose next tokens a draft model proposes
+    proposers: dict[str, int] = field(default_factory=dict)
+    # Rows that follow a grammar, and their token bitmask (engine/grammars.py; row i of
+    # it is the row whose grammar_row is i), None when no row has a grammar
+    num_grammar_rows: int = 0
+    grammar_bitmask: Any = None
 
 
 def raise_row_errors(sampled: SampledTokens, rows: Iterable[int]) -> None:
@@ -87,6 +95,8 @@ class RowBuilder:
             except Exception as exc:
                 failed[req.request_id] = (req, exc)
             logits_row += s.num_logits_rows
+        if rows.num_grammar_rows:
+            rows.grammar_bitmask = self.grammars.bitmask
         return rows, failed
 
     def _add_rows(
@@ -112,12 +122,14 @@ class RowBuilder:
                 # Before its row is built: the sample draws under its own matcher.
                 self.grammars.fork(seq.seq_id, target.seq_id)
             rows.samples.setdefault(req.request_id, (req, []))[1].append((target, len(rows.rows)))
-            row = self._sample_row(logits_row, req, target)
-            if draft:  # only a lone sample speculates: `target` is `seq`
-                row = replace(
-                    row, draft_token_ids=draft, num_output_tokens=target.num_output_tokens
-                )
+            row = self._sample_row(rows, logits_row, req, target)
+            # Only a lone sample speculates: `target` is `seq`.
+            if draft:
+                row = replace(row, draft_token_ids=draft)
                 rows.drafts[req.request_id] = len(rows.rows)
+            if req.num_lookahead_tokens:
+                row = replace(row, num_proposals=req.num_lookahead_tokens)
+                rows.proposers[req.request_id] = len(rows.rows)
             rows.rows.append(row)
 
     def _samples_for(self, req: Request, seq: Sequence) -> list[Sequence]:
@@ -132,14 +144,18 @@ class RowBuilder:
             *(self.scheduler.new_seq(seq.token_ids, index=i) for i in range(1, params.num_seqs)),
         ]
 
-    def _sample_row(self, row: int, req: Request, seq: Sequence) -> SampleRow:
+    def _sample_row(self, rows: StepRows, row: int, req: Request, seq: Sequence) -> SampleRow:
         params = sampling_params(req)
         n_out = seq.num_output_tokens
         suppressed: tuple[int, ...] = ()
-        grammar = self.grammars.get(seq.seq_id)
+        grammar_row = -1
+        if self.grammars.get(seq.seq_id) is not None:
+            grammar_row = rows.num_grammar_rows
+            self.grammars.fill_bitmask(seq.seq_id, grammar_row)
+            rows.num_grammar_rows += 1
         # With a grammar, the grammar decides where the output may end: min_tokens does
         # not hold back its EOS (it could leave no token allowed).
-        if n_out < params.min_tokens and grammar is None:
+        if n_out < params.min_tokens and grammar_row < 0:
             eos = () if params.ignore_eos else tuple(self.eos_token_ids)
             suppressed = eos + tuple(params.stop_token_ids)
         penalties = params.has_penalties
@@ -155,5 +171,6 @@ class RowBuilder:
             output_ids=seq.output_token_ids if penalties else (),
             suppressed_ids=suppressed,
             num_logprobs=params.logprobs or 0,
-            grammar=grammar,
+            grammar_row=grammar_row,
+            num_output_tokens=n_out,
         )

@@ -9,15 +9,16 @@ Where several occurrences share that longest n, vLLM takes the earliest; this mo
 takes the most recent by default (`prefer="latest"`) and vLLM's choice with
 `prefer="earliest"`.
 
-Cost: one reversed copy of the ids, then candidate positions found with `list.index`
-(a C scan) on the last token, each checked over at most prompt_lookup_max tokens:
-O(len * prompt_lookup_max) in the worst case, O(len) in practice. At 8,192 tokens with
-prompt_lookup 1..5 and k 5, on a shared 2-core Zen 3 machine: ids drawn at random from a
-49,152-token vocabulary (the scan finds almost no candidate) 0.17-0.27 ms per call; a
-worst case where every other token equals the last one but no candidate extends past it
-2.1-3.0 ms (either preference). So 64 sequences of 8k random ids cost ~15 ms of Python per
-step; an index kept per sequence would make it O(1) per new token. Command: the n-gram
-section of docs/speculative.md.
+Cost: the ids are read in place (no copy). Candidate positions are found with
+`list.index` (a C scan) on the last token, in windows from the end back ("latest": a
+full-length match in a recent window ends the search) or from the start ("earliest"),
+each checked over at most prompt_lookup_max tokens: O(len * prompt_lookup_max) in the
+worst case, O(len) when nothing matches. At 8,192 tokens with prompt_lookup 1..5 and k 5,
+on a shared 2-core Intel Xeon machine: ids drawn at random from a 49,152-token vocabulary (the
+scan finds almost no candidate) 0.08-0.14 ms per call; a worst case where every other
+token equals the last one but no candidate extends past it 1.9-2.2 ms (either
+preference). The engine asks only for requests that decode one token next step.
+Command: the n-gram section of docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.validation import check_int
 
 Preference = Literal["latest", "earliest"]
+# Tokens of the first window scanned back from the end (each next one twice as wide): a
+# recent full-length match is found without scanning the whole sequence.
+WINDOW = 256
 
 
 class NgramProposer:
@@ -62,7 +66,7 @@ class NgramProposer:
     def propose(self, token_ids: Sequence[int]) -> list[int]:
         """The tokens that followed the chosen earlier occurrence of the longest matching
         suffix of `token_ids`; [] when no suffix of at least prompt_lookup_min tokens
-        occurs earlier."""
+        occurs earlier. `token_ids` (a list or tuple) is read in place, never copied."""
         n_tokens = len(token_ids)
         k = self.k
         if self.max_model_len is not None:
@@ -70,60 +74,65 @@ class NgramProposer:
         # An occurrence must end before the last token, so that something follows it.
         if k <= 0 or n_tokens <= self.min_n:
             return []
-        # Reversed, the suffix is a prefix, and "an occurrence ending r tokens before the
-        # end" is "a match of that prefix starting at r": candidates come from list.index.
-        ids = list(token_ids)
-        rev = ids[::-1]
         if self.prefer == "latest":
-            best_len, best_r = self._latest(rev)
+            best_len, best_end = self._latest(token_ids)
         else:
-            best_len, best_r = self._earliest(ids, rev)
+            best_len, best_end = self._earliest(token_ids)
         if best_len < self.min_n:
             return []
-        start = n_tokens - best_r  # first token after the occurrence
-        return ids[start : start + k]
+        return list(token_ids[best_end + 1 : best_end + 1 + k])
 
-    def _match_length(self, rev: list[int], r: int) -> int:
-        """How many leading tokens of `rev` (at most max_n) repeat at position r."""
-        limit = min(self.max_n, len(rev) - r)
-        n = 0
-        while n < limit and rev[r + n] == rev[n]:
+    def _match_length(self, ids: Sequence[int], end: int, last_index: int) -> int:
+        """How many tokens (at most max_n) ending at `end` equal the sequence's last
+        ones, given that ids[end] equals ids[last_index], its last."""
+        limit = min(self.max_n, end + 1)
+        n = 1
+        while n < limit and ids[end - n] == ids[last_index - n]:
             n += 1
         return n
 
-    def _latest(self, rev: list[int]) -> tuple[int, int]:
-        best_len, best_r = 0, 0
-        last = rev[0]
-        r = 1
-        while True:
-            try:
-                r = rev.index(last, r)
-            except ValueError:
-                return best_len, best_r
-            n = self._match_length(rev, r)
-            if n > best_len:  # strictly longer: a tie keeps the more recent one
-                best_len, best_r = n, r
-                if n == self.max_n:
-                    return best_len, best_r
-            r += 1
+    def _latest(self, ids: Sequence[int]) -> tuple[int, int]:
+        """Scans windows from the sequence's end towards its start: a full-length match
+        in the most recent window that has one ends the search."""
+        best_len, best_end = 0, 0
+        last_index = len(ids) - 1
+        last = ids[last_index]
+        hi = last_index  # candidates end before the last token
+        width = WINDOW
+        while hi > 0 and best_len < self.max_n:
+            lo = max(0, hi - width)
+            in_window_len, in_window_end = 0, 0
+            e = lo
+            while True:
+                try:
+                    e = ids.index(last, e, hi)  # type: ignore[call-arg]
+                except ValueError:
+                    break
+                n = self._match_length(ids, e, last_index)
+                if n >= in_window_len:  # a tie keeps the more recent one
+                    in_window_len, in_window_end = n, e
+                e += 1
+            if in_window_len > best_len:  # strictly longer: a tie keeps the more recent window
+                best_len, best_end = in_window_len, in_window_end
+            hi, width = lo, width * 2
+        return best_len, best_end
 
-    def _earliest(self, ids: list[int], rev: list[int]) -> tuple[int, int]:
+    def _earliest(self, ids: Sequence[int]) -> tuple[int, int]:
         """Scans from the sequence's start towards its end."""
-        n_tokens = len(ids)
-        last = rev[0]
-        best_len, best_r = 0, 0
-        e = 0  # end index, in the original order, of a candidate occurrence
+        last_index = len(ids) - 1
+        last = ids[last_index]
+        best_len, best_end = 0, 0
+        e = 0
         while True:
             try:
-                e = ids.index(last, e, n_tokens - 1)
+                e = ids.index(last, e, last_index)  # type: ignore[call-arg]
             except ValueError:
-                return best_len, best_r
-            r = n_tokens - 1 - e
-            n = self._match_length(rev, r)
+                return best_len, best_end
+            n = self._match_length(ids, e, last_index)
             if n > best_len:  # strictly longer: a tie keeps the earlier one
-                best_len, best_r = n, r
+                best_len, best_end = n, e
                 if n == self.max_n:
-                    return best_len, best_r
+                    return best_len, best_end
             e += 1
 
     def propose_batch(self, sequences: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -116,6 +116,10 @@ class BatchTables:
             tuple(self.store.read(g, row, self.lengths[g][row])) for g in range(self.num_groups)
         )
 
+    def table_len(self, seq_id: int, group: int = 0) -> int:
+        """The entries of the sequence's table in `group`."""
+        return self.lengths[group][self.row_of[seq_id]]
+
     def width(self, rows: Sequence[int], group: int) -> int:
         """The longest table among `rows` in `group` (at least 1: a tensor's width)."""
         lengths = self.lengths[group]

@@ -1,37 +1,38 @@
-"""DraftProposer: speculative decoding's draft model, run by the model runner before the
-target's forward pass.
+"""DraftProposer: speculative decoding's draft model, run by the model runner after the
+target's forward pass and sampling, proposing the tokens the next step checks.
 
 The draft shares the target's KV bookkeeping: the same block tables and block ids, over
-a second set of K/V tensors (its own PagedKVCache with as many blocks), so lookahead
-slots, trimming, copy-on-write, preemption and prefix caching need no bookkeeping of
-their own; a block's bytes are the target's plus the draft's. Each step:
+a second set of K/V tensors (its own PagedKVCache with as many blocks), so trimming,
+copy-on-write, preemption and prefix caching need no bookkeeping of their own; a block's
+bytes are the target's plus the draft's. Each step, after the target drew its tokens:
 
-1. one batch over every scheduled sequence's tokens the draft has not computed yet
-   (prefill chunks, plain decodes, a speculating sequence's last token), so that its
-   K/V keeps up with the target's; from the last token's logits each speculating
-   sequence draws its first proposal;
-2. k-1 one-token steps over the speculating sequences together draw the others, writing
-   their K/V into the lookahead slots the scheduler allocated;
-3. the target checks them (worker/spec_verify.py, with the draft's distributions q), and
-   `after_step` notes how far each sequence's draft K/V now holds its tokens.
+1. one batch over every scheduled sequence's tokens the target kept (its chunk without
+   the proposals it checked, then the proposals it accepted), so the draft's K/V holds
+   exactly the positions the target's does, in the same blocks; a sequence that proposes
+   next (its row's `num_proposals`) adds the token the target just drew, and from its
+   logits draws its first proposal;
+2. k-1 one-token steps over the proposing sequences together draw the others.
 
-Proposals are drawn with the sequence's own sampling settings (the sampler's logits
-processing, then temperature, top-k/p, min-p): greedy rows by argmax, sampled rows from
-the runner's shared generator, or a seeded row from a copy of its own: the noise the
-verifier then draws the row's tokens with, position after position, so that where the
-draft agrees with the target its proposal is the token the request draws (and the
-request's own generator advances only by the tokens it keeps).
+Steps 1's drawn token and 2's proposals write their K/V past the target's tokens, into
+the lookahead slots the scheduler claimed for them (a row proposes no more tokens than
+its tables have slots for); the next step computes those positions again, so nothing the
+draft writes there is ever read once the step is over.
+The proposals go back to the engine (SampledTokens.next_proposals), which schedules them
+as the next step's tokens; their distributions q stay here, by sequence, for the
+verifier of that step (`draft_probs`).
 
-Where the draft's K/V can be stale (which costs acceptance only: the target checks every
-token): when all k proposals are accepted, the last one's position was never run through
-the draft; it is kept per sequence and computed with the sequence's next step. A sequence
-that ends right then leaves that slot stale, and a later prefix-cache hit on its block
-reads it.
+Proposals are drawn with the sequence's own sampling settings, as of the next step (the
+sampler's logits processing, then temperature, top-k/p, min-p): greedy rows by argmax,
+sampled rows from the runner's shared generator, or a seeded row from a copy of its own
+taken after this step's draw: the noise the verifier then draws the row's next tokens
+with, position after position, so that where the draft agrees with the target its
+proposal is the token the request draws (and the request's own generator advances only
+by the tokens it keeps).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -67,34 +68,27 @@ class DraftRunner(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-@dataclass
-class _DraftCursor:
-    """How far one sequence's draft K/V holds its tokens."""
-
-    computed: int  # positions below hold the draft's K/V of the sequence's own tokens
-    pending: list[int]  # tokens from `computed` on that the target has, the draft not yet
-
-
 @dataclass(frozen=True)
-class _Speculating:
-    """A sequence that proposes this step: its sample row, how many proposals, where
-    they go (from `chunk_end` on) and its place among the step's sequences (the row of
-    its block table)."""
+class _Proposing:
+    """A sequence that proposes after this step: its sample row (`index`) and that row as
+    of the next step (`row`: its output and output count include this step's tokens), how
+    many proposals, the first one's position, and its place among the step's sequences (the
+    row of its block tables)."""
 
-    row: int
-    k: int
-    chunk_end: int
     index: int
+    row: SampleRow
+    k: int
+    first_pos: int
+    seq_index: int
 
 
 @dataclass(frozen=True)
-class _Planned:
-    """One scheduled sequence's draft work in the current step."""
+class _Proposed:
+    """One sequence's proposals and the distributions they were drawn from ([k, vocab];
+    None when every sequence proposing in that step was greedy)."""
 
-    seq_id: int
-    chunk_end: int  # the target computes positions below this (proposals aside)
-    row: int = -1  # its sample row when it speculates
-    proposals: tuple[int, ...] = ()
+    tokens: tuple[int, ...]
+    q: torch.Tensor | None
 
 
 def draw_proposals(
@@ -140,8 +134,8 @@ class DraftProposer:
         `generator`: the noise of rows without a generator of their own."""
         self.runner = runner
         self.generator = generator
-        self._cursors: dict[int, _DraftCursor] = {}  # by sequence id
-        self._planned: list[_Planned] = []
+        # Sequence id -> the proposals drawn after the last step, for the next one to check.
+        self._proposed: dict[int, _Proposed] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -158,146 +152,137 @@ class DraftProposer:
         """The draft's K/V tensors: one per block id of the target's pool."""
         self.runner.init_kv_cache(num_blocks, block_size)
 
+    def draft_probs(self, rows: Sequence[SampleRow]) -> torch.Tensor | None:
+        """The distributions the proposals `rows` check were drawn from, in row order as
+        the verifier takes them ([their proposals, vocab]); None when all were drawn by
+        greedy rows (the verifier checks those by argmax alone). A row checks a prefix of
+        what the draft proposed for it after the last step (the engine may cut it)."""
+        checking = [(r, self._proposed.get(r.seq_id)) for r in rows if r.draft_token_ids]
+        for row, made in checking:
+            k = len(row.draft_token_ids)
+            if made is None or tuple(row.draft_token_ids) != made.tokens[:k]:
+                raise RuntimeError(
+                    f"sequence {row.seq_id}: the step checks tokens the draft did not propose"
+                )
+        q_of = [made.q for _, made in checking if made is not None and made.q is not None]
+        if not q_of:
+            return None
+        dists = []
+        for row, made in checking:
+            assert made is not None
+            k = len(row.draft_token_ids)
+            if made.q is not None:
+                dists.append(made.q[:k])
+            else:  # a greedy row beside sampled ones: one-hot, never read
+                ids = torch.tensor(made.tokens[:k], device=q_of[0].device)
+                one_hot = torch.zeros(k, q_of[0].shape[1], device=ids.device)
+                dists.append(one_hot.scatter_(1, ids[:, None], 1.0))
+        return torch.cat(dists)
+
     @torch.inference_mode()
     def propose(
         self,
         step: SchedulerOutput,
         rows: Sequence[SampleRow],
+        sampled: SampledTokens,
         generators: Sequence[torch.Generator | None],
         tables: Sequence[torch.Tensor],
-    ) -> tuple[SchedulerOutput, list[SampleRow], torch.Tensor | None, dict[int, tuple[int, ...]]]:
-        """Draw the proposals of the rows with `draft_token_ids` (placeholders: only their
-        number counts), `tables` holding the step's sequences' block tables (the target's,
-        one layer group), and return the step and rows with them in place, the distributions
-        they were drawn from (in row order, as the verifier takes them) and row -> its
-        proposals."""
+        table_len: Callable[[int], int],
+    ) -> dict[int, tuple[int, ...]]:
+        """After the target drew `sampled` for `step`: bring the draft's K/V to the
+        target's tokens, and draw up to `num_proposals` tokens for each row that asks.
+        `tables`: the step's sequences' block tables per layer group (the target's);
+        `table_len(seq_id)`: the entries of a sequence's first table. Row -> its proposals
+        (fewer where the tables have fewer lookahead slots)."""
         cache = self.runner.kv_cache
         if cache is None:
             raise RuntimeError("init_kv_cache must run before the first step")
         cache.copy_blocks(step.blocks_to_copy)
-        for seq_id in step.finished_seq_ids:
-            self._cursors.pop(seq_id, None)
-        row_of = {r.seq_id: i for i, r in enumerate(rows) if r.draft_token_ids}
+        row_of = {r.seq_id: i for i, r in enumerate(rows) if r.draft_token_ids or r.num_proposals}
         ids: list[int] = []
         starts, lens, logits_at = [], [], []
-        planned: list[_Planned] = []
-        spec: list[_Speculating] = []
+        proposing: list[_Proposing] = []
         for n, s in enumerate(step.seqs):
-            k = len(s.draft_token_ids)
-            chunk = s.token_ids[: len(s.token_ids) - k]
-            cursor = self._cursor(s.seq_id, s.start_pos)
-            ids += [*cursor.pending, *chunk]
-            starts.append(cursor.computed)
-            lens.append(len(cursor.pending) + len(chunk))
-            row = row_of.get(s.seq_id, -1) if k else -1
-            chunk_end = s.start_pos + len(chunk)
-            planned.append(_Planned(s.seq_id, chunk_end, row))
-            if row >= 0:
-                logits_at.append(n)
-                spec.append(_Speculating(row, k, chunk_end, n))
+            tokens = list(s.token_ids[: len(s.token_ids) - len(s.draft_token_ids)])
+            i = row_of.get(s.seq_id, -1) if s.needs_logits else -1
+            if i >= 0 and i not in sampled.row_errors:
+                kept = sampled.accepted.get(i)
+                drawn = [*(kept.token_ids if kept is not None else ()), sampled.token_ids[i]]
+                tokens += drawn[:-1]
+                pos = s.start_pos + len(tokens)  # the drawn token's
+                slots = table_len(s.seq_id) * cache.block_size
+                k = min(rows[i].num_proposals, slots - pos, self.max_position_embeddings - pos)
+                if k > 0:
+                    tokens.append(drawn[-1])
+                    logits_at.append(n)
+                    proposing.append(_Proposing(i, _next_row(rows[i], drawn), k, pos + 1, n))
+            ids += tokens
+            starts.append(s.start_pos)
+            lens.append(len(tokens))
         hidden, last = self.runner.run_tokens(cache, ids, starts, lens, tables, logits_at)
-        drawn: dict[int, tuple[tuple[int, ...], torch.Tensor | None]] = {}
-        if spec:
-            copies = [None if g is None else _copy(g) for g in generators]
-            drawn = self._draw(hidden[last], spec, rows, copies, tables[0])
-        self._planned = [
-            replace(p, proposals=drawn[p.row][0]) if p.row >= 0 else p for p in planned
-        ]
-        if not spec:
-            return step, list(rows), None, {}
-        by_seq = {rows[x.row].seq_id: drawn[x.row][0] for x in spec}
-        seqs = tuple(
-            replace(s, token_ids=(*s.token_ids[: -len(p)], *p), draft_token_ids=p)
-            if (p := by_seq.get(s.seq_id)) is not None
-            else s
-            for s in step.seqs
-        )
-        new_rows = [
-            replace(r, draft_token_ids=drawn[i][0]) if i in drawn else r for i, r in enumerate(rows)
-        ]
-        dists = [d for i in sorted(drawn) if (d := drawn[i][1]) is not None]
-        q = torch.cat(dists) if dists else None  # greedy rows are checked by argmax
-        return replace(step, seqs=seqs), new_rows, q, {i: drawn[i][0] for i in drawn}
+        self._proposed = {}
+        if not proposing:
+            return {}
+        copies = [None if (g := generators[p.index]) is None else _copy(g) for p in proposing]
+        made = self._draw(hidden[last], proposing, copies, tables)
+        self._proposed = {rows[p.index].seq_id: m for p, m in zip(proposing, made, strict=True)}
+        return {p.index: m.tokens for p, m in zip(proposing, made, strict=True)}
 
     def _draw(
         self,
         hidden: torch.Tensor,
-        spec: list[_Speculating],
-        rows: Sequence[SampleRow],
+        proposing: list[_Proposing],
         generators: Sequence[torch.Generator | None],
-        table: torch.Tensor,
-    ) -> dict[int, tuple[tuple[int, ...], torch.Tensor | None]]:
-        """Row -> its k proposals and their distributions [k, vocab] (None when every
-        speculating row is greedy: no q is needed then): the first from
-        `hidden` (the last tokens' states), the others one draft step each, batched."""
+        tables: Sequence[torch.Tensor],
+    ) -> list[_Proposed]:
+        """Each proposing sequence's k proposals: the first from `hidden` (the drawn
+        tokens' states), the others one draft step each, batched, over the step's
+        `tables`."""
         model, cache = self.runner.model, self.runner.kv_cache
         assert cache is not None
-        ks = [x.k for x in spec]
-        with_q = not all(rows[x.row].params.greedy for x in spec)
-        tokens: list[list[int]] = [[] for _ in spec]
-        dists: list[list[torch.Tensor]] = [[] for _ in spec]
-        active = list(range(len(spec)))
+        with_q = not all(p.row.params.greedy for p in proposing)
+        tokens: list[list[int]] = [[] for _ in proposing]
+        dists: list[list[torch.Tensor]] = [[] for _ in proposing]
+        active = list(range(len(proposing)))
         logits = model.compute_logits(hidden)
         j = 0
         while True:
             pos_rows = []
             for a in active:
-                row = rows[spec[a].row]
+                row = proposing[a].row
                 pos_rows.append(position_rows(SpecRow(row, tokens[a], row.num_output_tokens))[-1])
-            gens = [generators[spec[a].row] for a in active]
+            gens = [generators[a] for a in active]
             new, q = draw_proposals(logits, pos_rows, gens, self.generator, with_q)
             for m, a in enumerate(active):
                 tokens[a].append(new[m])
                 if q is not None:
                     dists[a].append(q[m])
             j += 1
-            active = [a for a in active if ks[a] > j]
+            active = [a for a in active if proposing[a].k > j]
             if not active:
                 break
-            # Proposal j-1 goes in at its lookahead slot: position (chunk end) + j - 1.
+            # Proposal j-1 goes in at its lookahead slot.
             hidden, last = self.runner.run_tokens(
                 cache,
                 [tokens[a][j - 1] for a in active],
-                [spec[a].chunk_end + j - 1 for a in active],
+                [proposing[a].first_pos + j - 1 for a in active],
                 [1] * len(active),
-                [table[torch.tensor([spec[a].index for a in active])]],
+                [t[torch.tensor([proposing[a].seq_index for a in active])] for t in tables],
                 list(range(len(active))),
             )
             logits = model.compute_logits(hidden[last])
-        return {
-            x.row: (tuple(tokens[a]), torch.stack(dists[a]) if with_q else None)
-            for a, x in enumerate(spec)
-        }
+        return [
+            _Proposed(tuple(tokens[a]), torch.stack(dists[a]) if with_q else None)
+            for a in range(len(proposing))
+        ]
 
-    def after_step(self, sampled: SampledTokens) -> None:
-        """The target checked the proposals: each sequence's draft K/V holds its tokens up
-        to where the draft wrote what the target kept."""
-        for p in self._planned:
-            cursor = self._cursors.get(p.seq_id)
-            if cursor is None:
-                continue
-            if not p.proposals:
-                cursor.computed, cursor.pending = p.chunk_end, []
-                continue
-            kept = sampled.accepted.get(p.row)
-            a = 0 if kept is None or p.row in sampled.row_errors else len(kept.token_ids)
-            # The draft wrote the last token and proposals 0..k-2: with all k kept, the
-            # last one is computed with the sequence's next step.
-            written = min(a, len(p.proposals) - 1)
-            cursor.computed = p.chunk_end + written
-            cursor.pending = list(p.proposals[written:a])
-        self._planned = []
 
-    def _cursor(self, seq_id: int, start_pos: int) -> _DraftCursor:
-        """The sequence's cursor, made to agree with the target computing from
-        `start_pos` on."""
-        cursor = self._cursors.get(seq_id)
-        if cursor is None or cursor.computed + len(cursor.pending) < start_pos:
-            # New to the draft (possibly past a prefix-cache hit or forked from a parent):
-            # the blocks before start_pos got the draft's K/V when their writer computed them.
-            cursor = _DraftCursor(start_pos, [])
-        elif start_pos < cursor.computed + len(cursor.pending):  # recomputed (preemption)
-            keep = max(0, start_pos - cursor.computed)
-            cursor = _DraftCursor(min(cursor.computed, start_pos), cursor.pending[:keep])
-        self._cursors[seq_id] = cursor
-        return cursor
+def _next_row(row: SampleRow, drawn: list[int]) -> SampleRow:
+    """`row` as of the next step, after the step's `drawn` tokens: penalties count them,
+    and min_tokens suppression ends where it would."""
+    return replace(
+        row,
+        output_ids=(*row.output_ids, *drawn) if row.params.has_penalties else row.output_ids,
+        num_output_tokens=row.num_output_tokens + len(drawn),
+        draft_token_ids=(),
+    )

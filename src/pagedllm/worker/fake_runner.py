@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.worker.batch_tables import BatchTables, ListTableStore
@@ -63,8 +64,11 @@ class FakeModelRunner:
         num_groups = 1 if layer_groups is None else len(layer_groups)
         self.tables = BatchTables(num_groups, ListTableStore(num_groups))  # no K/V to hold
 
-    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+    def execute(
+        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+    ) -> SampledTokens:
         self.tables.apply(step)
+        # No logits to mask: a row with a grammar draws `token` like any other.
         vocab = self.spec.vocab_size
         tokens, top_ids, top_lps = [], [], []
         accepted: dict[int, AcceptedDrafts] = {}

@@ -6,9 +6,9 @@ batch and its AttentionMetadata, runs the forward, and samples the rows that nee
 every tensor of the engine: weights, the paged KV pool, the sampler and the random
 generators of seeded samples (keyed by sequence id, dropped when the sequence ends).
 It computes as its RunnerOptions say (worker/options.py), never reading the engine's
-configuration. With a draft model (worker/draft_model.py) it also draws each speculating
-row's proposals before the forward pass, and checks them against the draft's
-distributions.
+configuration. With a draft model (worker/draft_model.py) it checks the proposals the
+draft drew after the last step against the draft's distributions, and after drawing the
+step's tokens has the draft propose the next step's.
 """
 
 from __future__ import annotations
@@ -201,25 +201,27 @@ class TorchModelRunner:
         self.input_batch = InputBatch(max(self.kv_cache.layer_group) + 1)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+    def execute(
+        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+    ) -> SampledTokens:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
         if self.input_batch is None:
             raise RuntimeError("init_kv_cache must run before the first step")
         tables = self.input_batch.step_tables(step)
         gens = [self._generator(r) for r in rows]
-        draft_probs, proposals = None, {}
-        if self.draft is not None:
-            step, rows, draft_probs, proposals = self.draft.propose(step, rows, gens, tables)
+        draft_probs = self.draft.draft_probs(rows) if self.draft is not None else None
         logits = self.forward(step, tables)
         sampled = SampledTokens([], [], [], [])
         if rows:
             sampled = draw_with_proposals(
-                self.sampler, self.verifier, logits, rows, gens, draft_probs
+                self.sampler, self.verifier, logits, rows, gens, draft_probs, grammar_bitmask
             )
         if self.draft is not None:
-            self.draft.after_step(sampled)
-            sampled = replace(sampled, proposals=proposals)
+            proposals = self.draft.propose(
+                step, rows, sampled, gens, tables, self.input_batch.mirror.table_len
+            )
+            sampled = replace(sampled, next_proposals=proposals)
         return sampled
 
     def forward(self, step: SchedulerOutput, tables: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The model-runner interface: what the engine asks of whatever runs the model.
 
-Each step the engine hands a runner plain data (the scheduler's output, and one
-`SampleRow` per token to draw) and gets the drawn tokens back; it never touches a tensor.
+Each step the engine hands a runner plain data (the scheduler's output, one `SampleRow`
+per token to draw, and the token bitmask of the rows that follow a grammar) and gets the
+drawn tokens back; it never touches the model's tensors.
 Behind this one interface sit the real runner (`TorchModelRunner`), `FakeModelRunner`
 for bookkeeping simulations and property tests, and any runner that splits the model
 across devices. Plain Python: importing it needs no torch.
@@ -29,15 +30,6 @@ class ModelSpec:
     layer_windows: tuple[int | None, ...] | None = None
 
 
-class TokenMask(Protocol):
-    """A row's grammar, as the sampler sees it: it writes the tokens allowed next (a
-    sequence's matcher, pagedllm/structured/grammar.py; the engine advances it)."""
-
-    def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        """Set row `row` of `bitmask` (int32, one bit per token) to the allowed tokens."""
-        ...
-
-
 @dataclass(frozen=True)
 class SampleRow:
     """One token to draw for sequence `seq_id`, from logits row `logits_row` (the rows
@@ -51,14 +43,17 @@ class SampleRow:
     output_ids: tuple[int, ...] | list[int] = ()
     suppressed_ids: tuple[int, ...] = ()  # EOS and stop ids while under min_tokens
     num_logprobs: int = 0
-    grammar: TokenMask | None = None  # structured output: only its allowed tokens are drawn
+    # Structured output: the row of the step's grammar bitmask that holds the tokens it
+    # may draw (-1: no grammar)
+    grammar_row: int = -1
     # Speculative decoding: the proposed tokens this row checks. Its logits are then the
     # k+1 rows from logits_row on; the runner keeps the proposals the model agrees with
-    # (worker/spec_verify.py) and draws one token of its own after them. A runner with a
-    # draft model reads only their number: it draws the proposals itself (placeholders
-    # here) and reports them in SampledTokens.proposals.
+    # (worker/spec_verify.py) and draws one token of its own after them.
     draft_token_ids: tuple[int, ...] = ()
     num_output_tokens: int = 0  # output tokens before this step (min_tokens per position)
+    # A runner with a draft model: after the draw, propose up to this many tokens for the
+    # sequence's next step (SampledTokens.next_proposals).
+    num_proposals: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,10 +79,9 @@ class SampledTokens:
     # row -> its kept proposals, for every row that checked proposals (SampleRow's
     # draft_token_ids), even when it kept none
     accepted: dict[int, AcceptedDrafts] = field(default_factory=dict)
-    # row -> the proposals the runner itself drew and checked in place of the row's
-    # draft_token_ids (a draft model's, worker/draft_model.py); empty when the rows'
-    # proposals were checked as given
-    proposals: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # row -> the tokens a draft model proposes for its sequence's next step, drawn after
+    # this step's tokens (rows with num_proposals; worker/draft_model.py)
+    next_proposals: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):
@@ -110,9 +104,13 @@ class ModelRunner(Protocol):
         tables name behind a window, with `null_block`."""
         ...
 
-    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
-        """Run the step's forward pass (copy-on-write copies first) and draw `rows`. A
-        row whose draw fails goes to `row_errors`; a failed forward pass raises."""
+    def execute(
+        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+    ) -> SampledTokens:
+        """Run the step's forward pass (copy-on-write copies first) and draw `rows`.
+        `grammar_bitmask`: int32 [grammar rows, ceil(vocab / 32)], one bit per token, the
+        rows with a `grammar_row` may draw (None when none has). A row whose draw fails
+        goes to `row_errors`; a failed forward pass raises."""
         ...
 
     def shutdown(self) -> None:

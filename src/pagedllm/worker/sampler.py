@@ -62,10 +62,13 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+) -> torch.Tensor:
     """The rows' logits after min_tokens suppression, logit bias, penalties and grammar
-    masks (row i of `logits` follows rows[i]); writes into `logits` (float32, the
-    caller's own copy) and returns it, or a new tensor where penalties apply."""
+    masks (row i of `logits` follows rows[i]; a row's `grammar_row` names its row of
+    `grammar_bitmask`); writes into `logits` (float32, the caller's own copy) and returns
+    it, or a new tensor where penalties apply."""
     rows = list(rows)
     device = logits.device
     suppressed = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_ids]
@@ -78,12 +81,14 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
         logits[list(bi), list(bt)] += torch.tensor(bv, dtype=logits.dtype, device=device)
     if any(r.params.has_penalties for r in rows):
         logits = apply_penalties(logits, rows)
-    grammars = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+    grammars = [(i, r.grammar_row) for i, r in enumerate(rows) if r.grammar_row >= 0]
     if grammars:
+        if grammar_bitmask is None:
+            raise ValueError("rows with a grammar_row need the step's grammar bitmask")
         # Imported here: xgrammar loads only once a request asks for structured output.
         from pagedllm.structured.bitmask import apply_grammar_masks
 
-        apply_grammar_masks(logits, grammars)
+        apply_grammar_masks(logits, grammar_bitmask, grammars)
     return logits
 
 
@@ -150,18 +155,20 @@ class Sampler:
         logits: torch.Tensor,
         rows: Sequence[SampleRow],
         generators: Sequence[torch.Generator | None] | None = None,
+        grammar_bitmask: Any = None,
     ) -> SampledTokens:
-        """Draw one token per row; `generators[i]` (if any) supplies row i's noise. If
-        the batch fails, each row is drawn alone, and a row that fails alone is reported
-        in `row_errors`: the other rows draw exactly what they would have (a seeded row
-        from its generator as it was before the failed attempt)."""
+        """Draw one token per row; `generators[i]` (if any) supplies row i's noise, and
+        `grammar_bitmask` the tokens of rows with a grammar_row. If the batch fails, each
+        row is drawn alone, and a row that fails alone is reported in `row_errors`: the
+        other rows draw exactly what they would have (a seeded row from its generator as
+        it was before the failed attempt)."""
         rows = list(rows)
         gens = list(generators) if generators is not None else [None] * len(rows)
         states = [g.get_state() if g is not None else None for g in gens]
         try:
-            return self._draw(logits, rows, gens)
+            return self._draw(logits, rows, gens, grammar_bitmask)
         except Exception:
-            return self._draw_each(logits, rows, gens, states)
+            return self._draw_each(logits, rows, gens, states, grammar_bitmask)
 
     def _draw_each(
         self,
@@ -169,13 +176,14 @@ class Sampler:
         rows: list[SampleRow],
         gens: list[torch.Generator | None],
         states: list[torch.Tensor | None],
+        grammar_bitmask: Any,
     ) -> SampledTokens:
         out = SampledTokens([], [], [], [], {})
         for i, (row, gen, state) in enumerate(zip(rows, gens, states, strict=True)):
             if gen is not None and state is not None:
                 gen.set_state(state)
             try:
-                one = self._draw(logits, [row], [gen])
+                one = self._draw(logits, [row], [gen], grammar_bitmask)
             except Exception as exc:
                 one = SampledTokens([0], [0.0], [[]], [[]])
                 out.row_errors[i] = f"{type(exc).__name__}: {exc}"
@@ -186,7 +194,11 @@ class Sampler:
         return out
 
     def _draw(
-        self, logits: torch.Tensor, rows: list[SampleRow], gens: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        gens: list[torch.Generator | None],
+        grammar_bitmask: Any,
     ) -> SampledTokens:
         device = logits.device
         given = logits
@@ -199,7 +211,7 @@ class Sampler:
         if logits is given:  # the filters below write into it: never into the caller's
             logits = logits.clone()
         raw_logprobs = logits.log_softmax(dim=-1)
-        logits = process_logits(logits, rows)
+        logits = process_logits(logits, rows, grammar_bitmask)
 
         tokens = logits.argmax(dim=-1)
         greedy = [r.params.greedy for r in rows]
@@ -230,7 +242,7 @@ class Sampler:
             and not row.suppressed_ids
             and not p.logit_bias
             and not p.has_penalties
-            and row.grammar is None
+            and row.grammar_row < 0
         )
 
     def _greedy(self, logits: torch.Tensor) -> SampledTokens:

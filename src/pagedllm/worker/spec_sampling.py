@@ -11,6 +11,7 @@ proposals before it in `accepted`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,14 +27,16 @@ def draw_with_proposals(
     rows: Sequence[SampleRow],
     generators: Sequence[torch.Generator | None],
     draft_probs: torch.Tensor | None = None,
+    grammar_bitmask: Any = None,
 ) -> SampledTokens:
     """Each row's token from `logits`; a row with `draft_token_ids` first keeps its
     accepted proposals (in `accepted`), then takes the verifier's own token.
     `draft_probs`: the distribution each proposal was drawn from ([proposals of the
-    speculating rows in order, vocab]); None: one-hot, as for n-gram proposals."""
+    speculating rows in order, vocab]); None: one-hot, as for n-gram proposals.
+    `grammar_bitmask`: the grammar rows' (they do not speculate)."""
     spec = [i for i, r in enumerate(rows) if r.draft_token_ids]
     if not spec:
-        return sampler(logits, rows, generators)
+        return sampler(logits, rows, generators, grammar_bitmask)
     plain = [i for i, r in enumerate(rows) if not r.draft_token_ids]
     n = len(rows)
     token_ids, logprobs = [0] * n, [0.0] * n
@@ -42,7 +45,9 @@ def draw_with_proposals(
     row_errors: dict[int, str] = {}
     accepted: dict[int, AcceptedDrafts] = {}
     if plain:
-        drawn = sampler(logits, [rows[i] for i in plain], [generators[i] for i in plain])
+        drawn = sampler(
+            logits, [rows[i] for i in plain], [generators[i] for i in plain], grammar_bitmask
+        )
         for j, i in enumerate(plain):
             token_ids[i], logprobs[i] = drawn.token_ids[j], drawn.logprobs[j]
             top_ids[i], top_logprobs[i] = drawn.top_ids[j], drawn.top_logprobs[j]

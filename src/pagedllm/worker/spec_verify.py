@@ -314,7 +314,7 @@ def _check(
     process rather than one request) or what the verifier cannot do exactly."""
     n_rows, vocab = logits.shape
     for row, draft in zip(rows, drafts, strict=True):
-        if draft and row.sample.grammar is not None:
+        if draft and row.sample.grammar_row >= 0:
             raise ValueError(
                 "proposals are not checked against a grammar: propose no tokens for a "
                 "structured-output sequence"

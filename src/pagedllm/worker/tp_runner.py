@@ -179,9 +179,11 @@ class TensorParallelRunner:
     ) -> None:
         self._call("init_kv_cache", num_blocks, block_size, layer_groups, null_block)
 
-    def execute(self, step: SchedulerOutput, rows: Sequence[SampleRow]) -> SampledTokens:
+    def execute(
+        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+    ) -> SampledTokens:
         # The workers draw no rows: the driver alone samples, from the gathered logits.
-        return self._call("execute", step, rows, worker_args=(step, ()))
+        return self._call("execute", step, rows, grammar_bitmask, worker_args=(step, ()))
 
     @property
     def int8_kernels(self) -> dict[str, str]:
