@@ -1,6 +1,8 @@
 """The default model (SmolLM2-135M: 9 heads, 3 KV heads) split over 3 gloo ranks on this
 CPU gives the single-device engine's tokens (greedy, parallel sampling, beams) and its
-logits within 1e-4."""
+logits within 1e-5 of their largest magnitude: the ranks' partial sums of the row-split
+layers are added in another order than one device adds them, and over 30 layers that moves
+the ~30-sized logits by tens of float32 ulps (1.1e-4 seen on an AVX-512 Xeon)."""
 
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ def test_greedy_tokens_and_logits_equal_one_rank(pair) -> None:
     got = generate(split, prompts, greedy)
     assert got == generate(whole, prompts, greedy)
     ids = prompts[2] + got[2][0]
-    diff = split.engine.runner.logits_of(ids) - whole.engine.runner.logits_of(ids)
-    assert diff.abs().max().item() < 1e-4
+    want = whole.engine.runner.logits_of(ids)
+    diff = split.engine.runner.logits_of(ids) - want
+    assert diff.abs().max().item() < 1e-5 * want.abs().max().item()
     kv = split.engine.kv
     assert kv.allocator.num_free_blocks == kv.num_blocks
 
