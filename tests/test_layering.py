@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "validation": {"errors"},  # the one integer check, for every layer
     "sampling_params": {"errors", "bounded_json", "validation"},
     "kv": {"errors", "validation"},
-    "core": {"kv", "errors", "sampling_params"},
+    "core": {"kv", "errors", "sampling_params", "validation"},
     "kernels": {"errors", "cache_root"},
     "attention": {"kernels", "errors"},
     "model": {"attention", "kernels", "errors"},

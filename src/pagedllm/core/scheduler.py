@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pagedllm.core.sequence import Request, RequestStatus, Sequence
 from pagedllm.errors import CONTEXT_LENGTH_EXCEEDED, KV_CACHE_EXCEEDED, InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.validation import check_int
 
 
 @dataclass(frozen=True)
@@ -40,14 +41,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            check_int(getattr(self, name), name, min=1)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from pagedllm.validation import check_int
+
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -72,9 +74,7 @@ class SlidingWindow(AttentionKind):
     drops_blocks: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        w = self.window
-        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-            raise ValueError(f"a sliding window must be >= 1 token, got {w!r}")
+        check_int(self.window, "window", min=1, subject="a sliding window")
 
     def first_needed_token(self, position: int) -> int:
         return max(0, position - self.window + 1)

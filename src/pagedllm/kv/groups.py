@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.kv.attention_kinds import AttentionKind, FullAttention, attention_kind
+from pagedllm.validation import check_int
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,7 @@ def group_layers(
     per-layer windows, every layer full). Full attention first, then each window kind by
     its first layer. `hybrid=False`: one group of every layer, allocated as full
     attention (the layers still compute over their own windows)."""
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    check_int(num_layers, "num_layers", min=1)
     windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
     if len(windows) != num_layers:
         raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
