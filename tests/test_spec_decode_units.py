@@ -68,7 +68,7 @@ def test_max_model_len_caps_the_proposal() -> None:
     assert NgramProposer(2, 2, 3).propose(ids) == [3, 4, 1]
     assert NgramProposer(2, 2, 3, max_model_len=8).propose(ids) == [3, 4]
     assert NgramProposer(2, 2, 3, max_model_len=6).propose(ids) == []
-    assert NgramProposer(2, 2, 3).propose_batch([ids, [9]]) == [[3, 4, 1], []]
+    assert NgramProposer(2, 2, 3).propose([9]) == []
 
 
 def _brute_force(ids: list[int], low: int, high: int, k: int, prefer: str) -> list[int]:

@@ -134,7 +134,3 @@ class NgramProposer:
                 if n == self.max_n:
                     return best_len, best_end
             e += 1
-
-    def propose_batch(self, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
-        """`propose` for each sequence, in order."""
-        return [self.propose(ids) for ids in sequences]
