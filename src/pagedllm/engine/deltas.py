@@ -40,7 +40,9 @@ class DeltaState:
         call; the samples with nothing new are left out."""
         out = []
         for s in seqs:
-            sent = self.sent.setdefault(s.index, _Sent())
+            sent = self.sent.get(s.index)
+            if sent is None:
+                sent = self.sent[s.index] = _Sent()
             done = s.finish_reason is not None
             tokens = s.num_output_tokens
             if sent.finished or (tokens == sent.tokens and not done):

@@ -88,7 +88,9 @@ class OutputProcessor:
             state = self._deltas[req.request_id] = DeltaState.of(sampling_params(req))
         if finished:
             del self._deltas[req.request_id]
-        seqs = sorted(req.finished_seqs + req.seqs, key=lambda s: s.index)
+        seqs = req.finished_seqs + req.seqs
+        if len(seqs) > 1:
+            seqs.sort(key=lambda s: s.index)
         return _request_output(req, first, state.completions(seqs), finished, now)
 
     @staticmethod
@@ -137,7 +139,7 @@ class OutputProcessor:
 
 def _ranked(params: SamplingParams | BeamSearchParams) -> bool:
     """Whether the request returns the n best of more samples, known only at the end."""
-    return isinstance(params, SamplingParams) and (params.best_of or 0) > params.n
+    return isinstance(params, SamplingParams) and params.num_seqs > params.n
 
 
 def _request_output(

@@ -89,6 +89,8 @@ class BatchTables:
                     )
                 row = self._new_row(s.seq_id)
             for g, block_ids in enumerate(s.new_block_ids):
+                if not block_ids and not s.replaces_tables:
+                    continue  # most decode steps: the table is as the runner has it
                 lengths = self.lengths[g]
                 if s.replaces_tables:
                     self.store.clear(g, row, lengths[row])

@@ -164,20 +164,13 @@ class DraftProposer:
                 raise RuntimeError(
                     f"sequence {row.seq_id}: the step checks tokens the draft did not propose"
                 )
-        q_of = [made.q for _, made in checking if made is not None and made.q is not None]
-        if not q_of:
-            return None
-        dists = []
-        for row, made in checking:
-            assert made is not None
-            k = len(row.draft_token_ids)
-            if made.q is not None:
-                dists.append(made.q[:k])
-            else:  # a greedy row beside sampled ones: one-hot, never read
-                ids = torch.tensor(made.tokens[:k], device=q_of[0].device)
-                one_hot = torch.zeros(k, q_of[0].shape[1], device=ids.device)
-                dists.append(one_hot.scatter_(1, ids[:, None], 1.0))
-        return torch.cat(dists)
+        # One draw made every proposal of the last step: all carry q, or none does.
+        dists = [
+            made.q[: len(row.draft_token_ids)]
+            for row, made in checking
+            if made is not None and made.q is not None
+        ]
+        return torch.cat(dists) if dists else None
 
     @torch.inference_mode()
     def propose(
@@ -262,12 +255,13 @@ class DraftProposer:
             if not active:
                 break
             # Proposal j-1 goes in at its lookahead slot.
+            index = torch.tensor([proposing[a].seq_index for a in active])
             hidden, last = self.runner.run_tokens(
                 cache,
                 [tokens[a][j - 1] for a in active],
                 [proposing[a].first_pos + j - 1 for a in active],
                 [1] * len(active),
-                [t[torch.tensor([proposing[a].seq_index for a in active])] for t in tables],
+                [t[index] for t in tables],
                 list(range(len(active))),
             )
             logits = model.compute_logits(hidden[last])

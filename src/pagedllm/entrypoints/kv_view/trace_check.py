@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedllm.kv.events import EVENT_FIELDS
-from pagedllm.validation import is_int
+from pagedllm.validation import is_int, shown
 
 _POOL_LISTS = ("ref", "cached", "fill")
 
@@ -27,14 +27,14 @@ class _Checker:
 
     def id(self, value: Any, where: str) -> None:
         if not is_int(value) or value < 0:
-            raise ValueError(f"{where} must be a whole number >= 0, got {_show(value)}")
+            raise ValueError(f"{where} must be a whole number >= 0, got {shown(value)}")
 
     count = id  # token counts and indexes: the same rule as ids
 
     def block(self, value: Any, where: str) -> None:
         if not is_int(value) or not 0 <= value < self.num_blocks:
             raise ValueError(
-                f"{where} must be a block id in [0, {self.num_blocks}), got {_show(value)}"
+                f"{where} must be a block id in [0, {self.num_blocks}), got {shown(value)}"
             )
 
     def blocks(self, value: Any, where: str) -> None:
@@ -49,23 +49,23 @@ class _Checker:
 
     def req(self, value: Any, where: str) -> None:
         if value is not None and not isinstance(value, str):
-            raise ValueError(f"{where} must be a request id (a string), got {_show(value)}")
+            raise ValueError(f"{where} must be a request id (a string), got {shown(value)}")
 
     def text(self, value: Any, where: str) -> None:
         if not isinstance(value, str):
-            raise ValueError(f"{where} must be a string, got {_show(value)}")
+            raise ValueError(f"{where} must be a string, got {shown(value)}")
 
     def figures(self, st: Any, where: str) -> None:
         for name, value in _dict(st, where).items():
             if not _is_number(value):
-                raise ValueError(f"{where}.{name} must be a number, got {_show(value)}")
+                raise ValueError(f"{where}.{name} must be a number, got {shown(value)}")
 
     def event(self, event: Any, where: str) -> None:
         kind = _dict(event, where).get("k")
         fields = EVENT_FIELDS.get(kind) if isinstance(kind, str) else None
         if fields is None:
             raise ValueError(
-                f"{where}.k must be one of {', '.join(EVENT_FIELDS)}, got {_show(kind)}"
+                f"{where}.k must be one of {', '.join(EVENT_FIELDS)}, got {shown(kind)}"
             )
         for name, rule in fields.items():
             if name not in event and rule != "req":
@@ -129,16 +129,11 @@ def _is_number(value: Any) -> bool:
 
 def _dict(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ValueError(f"{where} must be an object, got {_show(value)}")
+        raise ValueError(f"{where} must be an object, got {shown(value)}")
     return value
 
 
 def _list(value: Any, where: str) -> list[Any]:
     if not isinstance(value, list):
-        raise ValueError(f"{where} must be a list, got {_show(value)}")
+        raise ValueError(f"{where} must be a list, got {shown(value)}")
     return value
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -44,6 +44,7 @@ from pagedllm.entrypoints.server.request_id import RequestIdMiddleware
 from pagedllm.entrypoints.server.routes import api_router, docs_router, ops_router
 from pagedllm.entrypoints.server.serving import Serving
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, parser_factory
+from pagedllm.validation import check_int
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -91,7 +92,7 @@ def create_app(
             "bound their own backlog, and the KV view watches one pool"
         )
     if in_process is not None and max_waiting is not None:
-        in_process.max_waiting = max_waiting
+        in_process.max_waiting = check_int(max_waiting, "max_waiting", min=0)
     check_limits(max_request_bytes, body_timeout, max_prompts_per_request)
     key = ApiKey(api_key)
     name = served_model_name or default_model_name(engine.config.model)
