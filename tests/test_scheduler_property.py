@@ -26,7 +26,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Request
 from pagedllm.core.sequence import Sequence as Seq
 from pagedllm.engine.config import EngineConfig

@@ -15,7 +15,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 
 
 class TableStore(Protocol):
