@@ -185,12 +185,6 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(r.seqs) for r in self.running)
 
-    @property
-    def running_seq_slots(self) -> int:
-        """Sequence slots the running requests hold against `max_num_seqs`: each its
-        `max_num_seqs`, the most sequences it may grow to."""
-        return self._running_seq_slots
-
     def num_admissible(self) -> int:
         """How many waiting requests could be admitted now, in queue order, by sequence
         slots and free KV blocks (the watermark and each request's reservation counted).

@@ -220,6 +220,11 @@ class LLMEngine:
     def unfinished_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, e.g. to time prompts from a cold cache; running
+        requests keep their blocks."""
+        self.kv.reset_prefix_cache()
+
     def usage(self) -> KVUsage:
         return self.kv.usage()
 
