@@ -1,7 +1,8 @@
 """create_app(engine, ...): the OpenAI-compatible FastAPI app over one engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models and
-GET /v1/models/{id} (all behind the API key when one is set; an empty key is no key),
+GET /v1/models/{id}, POST /tokenize, POST /detokenize and GET /tokenizer_info
+(tokenization.py; all behind the API key when one is set; an empty key is no key),
 GET|HEAD /health, GET /metrics, the KV view under /kv unless `kv_view=False` (behind the
 key too; see kv_routes.py), and, only with `enable_docs`, /docs, /redoc and /openapi.json
 (behind the key too). Request bodies are read by hand, so the checks run in
@@ -43,6 +44,7 @@ from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.request_id import RequestIdMiddleware
 from pagedllm.entrypoints.server.routes import api_router, docs_router, ops_router
 from pagedllm.entrypoints.server.serving import Serving
+from pagedllm.entrypoints.server.tokenization import tokenizer_router
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, parser_factory
 from pagedllm.loader.hf_cache import is_repo_id
 from pagedllm.validation import check_int
@@ -145,6 +147,7 @@ def create_app(
     reader = RequestReader(BodyReader(max_request_bytes, body_timeout), names)
     cards = [r.ModelCard(id=n, max_model_len=engine.max_model_len) for n in names]
     app.include_router(api_router(serving, reader, cards, key))
+    app.include_router(tokenizer_router(engine, serving.encoder, reader, key))
     if in_process is not None and kv_view:
         feed = KVFeed(in_process, text=kv_view_text, interval=kv_view_interval)
         app.state.kv_feed = feed
