@@ -69,7 +69,7 @@ def test_what_is_a_hub_name(name: str, is_id: bool) -> None:
     assert is_repo_id(name) is is_id
 
 
-@pytest.mark.parametrize("setting", ["HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"])
+@pytest.mark.parametrize("setting", ["HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "HOME"])
 def test_a_hub_name_resolves_to_its_cached_snapshot(
     setting: str, tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,6 +80,7 @@ def test_a_hub_name_resolves_to_its_cached_snapshot(
         "HF_HUB_CACHE": tmp_path / "root",
         "HF_HOME": tmp_path / "root" / "hub",
         "XDG_CACHE_HOME": tmp_path / "root" / "huggingface" / "hub",
+        "HOME": tmp_path / "root" / ".cache" / "huggingface" / "hub",  # none set
     }[setting]
     snapshot = hub_layout(cache, REPO, tiny_llama_dir)
     assert resolve_model_path(REPO) == str(snapshot)
@@ -113,6 +114,9 @@ def test_a_gguf_repository_loads_its_one_gguf(tmp_path: Path, monkeypatch) -> No
 
 def test_a_name_the_cache_lacks_says_where_it_looked(hub: Path, capsys) -> None:
     cache = hub.parent.parent.parent
+    (hub.parent.parent / "refs" / "main").write_text("../../escape")  # a name, not a path
+    with pytest.raises(ModelLoadError, match=r"refs/main names '\.\./\.\./escape'"):
+        resolve_model_path(REPO)
     with pytest.raises(ModelLoadError) as info:
         resolve_model_path("tiny-org/other")
     message = str(info.value)

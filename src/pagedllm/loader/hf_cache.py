@@ -34,8 +34,9 @@ def hub_cache_dir() -> tuple[Path, str]:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser(), "$HF_HUB_CACHE"
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub", "$HF_HOME/hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "huggingface" / "hub", "the default cache"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "huggingface" / "hub", "$XDG_CACHE_HOME"
+    return Path("~/.cache/huggingface/hub").expanduser(), "the default"
 
 
 def find_in_hub_cache(repo_id: str) -> str:
@@ -58,7 +59,7 @@ def find_in_hub_cache(repo_id: str) -> str:
     if ref.is_file():
         revision = ref.read_text(encoding="utf-8").strip()
         folder = snapshots / revision
-        if not folder.is_dir():
+        if Path(revision).name != revision or not folder.is_dir():  # a name, not a path
             raise missing(f"refs/main names {revision!r}, which {snapshots} lacks")
     else:
         found = sorted(p.name for p in snapshots.iterdir() if p.is_dir())

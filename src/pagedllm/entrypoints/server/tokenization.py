@@ -101,6 +101,10 @@ def tokenizer_router(
 ) -> APIRouter:
     """POST /tokenize, POST /detokenize, GET /tokenizer_info."""
     router = APIRouter(dependencies=[Depends(api_key)])
+    # Read once, here: on the event loop later, a read could meet the tokenizer thread's
+    # use of the tokenizer ("Already borrowed").
+    tokenizer = engine.tokenizer
+    info = None if tokenizer is None else tokenizer_info(tokenizer, engine.max_model_len)
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -114,19 +118,18 @@ def tokenizer_router(
     @router.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         req = await reader.read(request, DetokenizeRequest)
-        tokenizer = engine.tokenizer
         with request_fields({}):
-            if tokenizer is None:
+            if info is None:
                 raise InvalidParameterError("tokens", "this model has no tokenizer")
             if req.tokens:  # no tokens are the empty text
-                check_token_ids(req.tokens, len(tokenizer), "tokens")
+                check_token_ids(req.tokens, info["vocab_size"], "tokens")
         return JSONResponse({"prompt": await encoder.decode(req.tokens)})
 
     @router.get("/tokenizer_info")
-    async def info() -> JSONResponse:
-        if engine.tokenizer is None:
+    async def get_info() -> JSONResponse:
+        if info is None:
             raise APIError(404, "this model has no tokenizer", code="not_found")
-        return JSONResponse(tokenizer_info(engine.tokenizer, engine.max_model_len))
+        return JSONResponse(info)
 
     return router
 
