@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from pagedllm.attention.metadata import build_grouped_metadata
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams

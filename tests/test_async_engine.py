@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.request_stream import RequestStream
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams

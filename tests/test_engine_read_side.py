@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.listeners import StepListener
 from pagedllm.engine.llm_engine import LLMEngine

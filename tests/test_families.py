@@ -42,7 +42,7 @@ def test_the_configs_read_each_family(family_dir) -> None:
     gemma = configs["gemma3"]
     assert gemma.layer_windows == (8, None, 8, None)
     assert (gemma.rope_theta, gemma.local_rope_theta) == (1_000_000.0, 10_000.0)
-    assert gemma.layer_rope_theta(0) == 10_000.0 and gemma.layer_rope_theta(1) == 1_000_000.0
+    assert gemma.uses_local_rope(0) and not gemma.uses_local_rope(1)
     assert gemma.sandwich_norms and gemma.qk_norm and gemma.norm_offset == 1.0
     assert gemma.mlp_activation == "gelu_tanh" and gemma.embedding_scale == 64**0.5
     assert gemma.attention_scale == 24**-0.5 and gemma.final_logit_softcapping == 30.0

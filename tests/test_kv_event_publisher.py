@@ -145,7 +145,7 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_exactly(tiny_llama_dir,
             assert outs[0].num_cached_tokens == 20
     assert llm.engine.kv.allocator.num_evictions > 0
     # A reset between steps goes out with the next step: the replica starts over too.
-    llm.engine.kv.allocator.reset_prefix_cache()
+    llm.reset_prefix_cache()
     llm.generate([ids([*system, 7, 8])], GREEDY, use_tqdm=False)
     replica.drain(publisher)
     assert replica.cached == engine_hashes(llm) != frozenset()

@@ -48,7 +48,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "model": {"attention", "kernels", "errors"},
     "loader": {"model", "errors", "cache_root"},
     "worker": {
-        "core.scheduler",
+        "core.scheduler_output",
         "attention",
         "model",
         "kernels",

@@ -231,3 +231,32 @@ def test_the_async_engine_streams_the_kind_asked_for(kind: RequestOutputKind) ->
             engine.shutdown()
 
     assert asyncio.run(stream()) == want
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+@pytest.mark.parametrize(
+    ("token", "extra", "reason"),
+    [
+        (3, {}, "length"),  # all 16 tokens used, none of them an end
+        (25, {}, "stop"),  # the 16th token is EOS (min_tokens: the first 15 do not count)
+        (25, {"ignore_eos": True}, "length"),
+        (3, {"stop_token_ids": [3]}, "stop"),  # the 16th token is a stop token
+        (3, {"stop": ["d" * 16], "include_stop_str_in_output": True}, "stop"),  # completed
+    ],
+)
+def test_all_of_max_tokens_used_ends_length_unless_the_last_token_ends_it(
+    kind: RequestOutputKind, token: int, extra: dict[str, Any], reason: str
+) -> None:
+    """16 of 16 tokens: "length", whatever the kind of output (a server's stream takes
+    DELTA), unless the 16th token ends the output by itself."""
+    config = EngineConfig(block_size=4, num_kv_blocks=64)
+    runner = FakeModelRunner(ModelSpec(26, 4096), token=token)
+    engine = LLMEngine(config, runner=runner, tokenizer=Letters())
+    params = SamplingParams(max_tokens=16, min_tokens=16, output_kind=kind, **extra)
+    engine.add_request("r", [0, 1, 2], params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    done = joined(outs) if kind is DELTA else outs[-1].outputs
+    assert [c.finish_reason for c in done] == [reason]
+    assert len(done[0].token_ids) == 16

@@ -140,6 +140,9 @@ def test_the_ingress_is_the_same_server(ray_url: str) -> None:
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == 6
     assert c.models.list().data[0].id == NAME
+    # The tokenizer endpoints use the ingress's tokenizer, as the prompts above did.
+    r = httpx.post(ray_url + "/tokenize", json={"prompt": "Once upon"}, headers=headers)
+    assert r.json()["count"] == whole.usage.prompt_tokens
     # /metrics adds up the pools of the replicas that have answered (256 blocks each).
     text = httpx.get(ray_url + "/metrics").text
     total = next(line for line in text.splitlines() if line.startswith("pagedllm:kv_blocks_total"))

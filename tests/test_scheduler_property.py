@@ -26,7 +26,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Request
 from pagedllm.core.sequence import Sequence as Seq
 from pagedllm.engine.config import EngineConfig
@@ -132,7 +133,7 @@ def check_invariants(sched: Scheduler) -> None:
                         assert info.group == g
                         assert info.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
     running_seqs = sum(r.num_seq_slots for r in sched.running)
-    assert sched.running_seq_slots == running_seqs
+    assert sched._running_seq_slots == running_seqs  # kept incrementally
     assert running_seqs <= sched.config.max_num_seqs
     # The pool's figures, kept incrementally, equal a count over every table.
     filled: dict[int, int] = {}

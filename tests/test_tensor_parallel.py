@@ -25,7 +25,7 @@ import torch
 from hf_oracle import make_tiny_model
 from live_server import build_chat_model
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.cli import main

@@ -70,7 +70,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ready_s": round(ready - start, 3),
         "process_ready_s": round(ready_wall - args.started_at, 3),
         "ms_per_token": round(1000 * step_s, 3),
-        "kv_pool_bytes": kv_pool_bytes(config, read_model_header(args.model)),
+        "kv_pool_bytes": kv_pool_bytes(config, read_model_header(loaded.source)),
         "weight_bytes_per_step": stored_weight_bytes_per_step(loaded),
         "threads": torch.get_num_threads(),
         "gguf_kernel": kernel_build(),  # "vnni" or "avx2": PAGEDLLM_NO_VNNI=1 forces avx2

@@ -4,7 +4,8 @@ Plain Python, no torch: the scheduler speaks to the worker in request ids, token
 and block ids.
 """
 
-from pagedllm.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Request, RequestStatus, Sequence
 
 __all__ = [

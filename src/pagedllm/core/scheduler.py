@@ -13,12 +13,8 @@ running request cannot get a block, the most recently admitted running request i
 preempted by recomputation: its blocks are freed and it goes back to the front of the
 waiting queue keeping its generated tokens.
 
-The output speaks to a runner that keeps its own copy of the running sequences' block
-tables (vLLM v1's persistent batch): a sequence new to it (first scheduled, or readmitted
-after a preemption) comes with its whole tables, a running one with the block ids its
-tables gained since its last step, or whole again after an entry changed in place
-(copy-on-write, blocks given back behind a window, a truncation). The sequences that
-ended or were preempted since the last step that ran let the runner drop their rows.
+The output (core/scheduler_output.py) speaks to a runner that keeps its own copy of the
+running sequences' block tables: a running sequence sends only what its tables gained.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pagedllm.core.scheduler_output import ScheduledSeq, SchedulerOutput, SentTables
 from pagedllm.core.sequence import Request, RequestStatus, Sequence
 from pagedllm.errors import CONTEXT_LENGTH_EXCEEDED, KV_CACHE_EXCEEDED, InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager
@@ -45,58 +42,6 @@ class SchedulerConfig:
             check_int(getattr(self, name), name, min=1)
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's share of a step: compute `token_ids` at positions from `start_pos`."""
-
-    request_id: str
-    seq_id: int
-    token_ids: tuple[int, ...]
-    start_pos: int
-    # Per layer group (kv/groups.py; a model of one kind has one): the block ids the
-    # sequence's table gained since the runner last saw it, or, with `replaces_tables`,
-    # its whole table.
-    new_block_ids: tuple[tuple[int, ...], ...]
-    needs_logits: bool  # the chunk reaches the sequence's last token
-    # Proposed tokens, the chunk's last len(draft_token_ids) tokens: each of the k+1
-    # positions from the sequence's last token on needs its logits row.
-    draft_token_ids: tuple[int, ...] = ()
-    # New to the runner, or an entry changed in place: `new_block_ids` are whole tables.
-    replaces_tables: bool = True
-
-    @property
-    def num_logits_rows(self) -> int:
-        """Logits rows this sequence takes in the step's logits (0, 1, or k+1)."""
-        return 1 + len(self.draft_token_ids) if self.needs_logits else 0
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    seqs: tuple[ScheduledSeq, ...]
-    # request id -> tokens each of the request's sequences computes this step (its live
-    # sequences always have the same length, so one chunk size serves them all)
-    chunk_sizes: dict[str, int]
-    blocks_to_copy: tuple[tuple[int, int], ...]  # copy-on-write (source, destination)
-    preempted: tuple[str, ...]
-    finished_seq_ids: tuple[int, ...] = ()  # sequences gone since the last step that ran
-    # Sequences preempted since the last step that ran: their rows go, their state (a
-    # seeded generator) stays; they come back with whole tables.
-    preempted_seq_ids: tuple[int, ...] = ()
-
-    @property
-    def request_ids(self) -> tuple[str, ...]:
-        """The requests this step computes, in schedule order."""
-        return tuple(self.chunk_sizes)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -108,9 +53,7 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self._preempted_seq_ids: list[int] = []
-        # Sequence id -> (rewrites, entries) of each group's table when last scheduled:
-        # what the runner's copy holds.
-        self._sent_tables: dict[int, list[tuple[int, int]]] = {}
+        self._sent_tables = SentTables()  # what the runner's copy of the tables holds
         # Request id -> lookahead slots the last schedule() claimed past its chunk.
         self._lookahead: dict[str, int] = {}
         self.num_preemptions = 0
@@ -242,12 +185,6 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(r.seqs) for r in self.running)
 
-    @property
-    def running_seq_slots(self) -> int:
-        """Sequence slots the running requests hold against `max_num_seqs`: each its
-        `max_num_seqs`, the most sequences it may grow to."""
-        return self._running_seq_slots
-
     def num_admissible(self) -> int:
         """How many waiting requests could be admitted now, in queue order, by sequence
         slots and free KV blocks (the watermark and each request's reservation counted).
@@ -331,7 +268,8 @@ class Scheduler:
             draft = drafts.get(request_id, ())
             end = start + chunk - len(draft)
             for seq in req.seqs:
-                new_block_ids, replaces = self._table_changes(seq.seq_id)
+                groups = self.kv.tables[seq.seq_id].groups
+                new_block_ids, replaces = self._sent_tables.changes(seq.seq_id, groups)
                 seqs.append(
                     ScheduledSeq(
                         request_id=request_id,
@@ -390,24 +328,10 @@ class Scheduler:
                 self.kv.cache_computed_blocks(seq.seq_id, token_ids, req.num_computed_tokens)
 
     # ---------------------------------------------------------------- helpers
-    def _table_changes(self, seq_id: int) -> tuple[tuple[tuple[int, ...], ...], bool]:
-        """What the runner's copy of the sequence's tables lacks: per group the entries
-        appended since it last ran, or the whole tables (True) when it has none or an
-        entry changed in place since (a truncation counts as such a change)."""
-        groups = self.kv.tables[seq_id].groups
-        now = [(t.num_rewrites, len(t.blocks)) for t in groups]
-        sent = self._sent_tables.get(seq_id)
-        if now == sent:  # most decode steps: nothing new
-            return ((),) * len(groups), False
-        self._sent_tables[seq_id] = now
-        if sent is None or any(n[0] != was[0] for n, was in zip(now, sent, strict=True)):
-            return tuple(tuple(t.blocks) for t in groups), True
-        return tuple(tuple(t.blocks[was[1] :]) for t, was in zip(groups, sent, strict=True)), False
-
     def _free(self, seq_id: int) -> None:
         """Give the sequence's blocks back; the runner's copy of its tables is forgotten."""
         self.kv.free(seq_id)
-        self._sent_tables.pop(seq_id, None)
+        self._sent_tables.forget(seq_id)
 
     def _allocate(self, req: Request, num_tokens: int) -> bool:
         return all(self.kv.allocate_slots(s.seq_id, num_tokens) for s in req.seqs)

@@ -42,6 +42,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.engine_client import PromptRequest
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.request_stream import RequestStream, deliver
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
 from pagedllm.sampling_params import SamplingParams
@@ -52,62 +53,6 @@ T = TypeVar("T")
 # Requests waiting for their grammar at once; more queue for a thread. The compiles
 # themselves are capped lower, by the compiler (structured/compile_pool.py).
 GRAMMAR_WAITERS = 8
-
-
-class RequestStream:
-    """The outputs of one or more requests submitted together (e.g. the prompts of one
-    HTTP request), as one async iterator of their RequestOutputs in arrival order; each
-    output names its request. It ends when every request has finished. Leaving it early
-    (cancellation, `async with` exit, `abort()`; a bare `break` is not seen) or a failure
-    of any of them aborts them all and frees their blocks."""
-
-    def __init__(self, engine: AsyncLLMEngine, request_ids: Sequence[str]) -> None:
-        self.request_ids = tuple(request_ids)
-        self._engine = engine
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._unfinished = set(self.request_ids)
-
-    @property
-    def request_id(self) -> str:
-        return self.request_ids[0]
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def _put(self, item: RequestOutput | BaseException) -> None:  # on the engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.abort()
-            raise
-        if isinstance(item, BaseException):
-            self.abort()  # the other requests of the group cannot be answered either
-            raise item
-        if item.finished:
-            self._unfinished.discard(item.request_id)
-        return item
-
-    def abort(self) -> None:
-        """Abort every request of the stream that has not finished."""
-        for request_id in self._unfinished:
-            self._engine.abort(request_id)
-        self._unfinished.clear()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.abort()
 
 
 class AsyncLLMEngine:
@@ -275,7 +220,7 @@ class AsyncLLMEngine:
                 self.engine.check_request(prompt, params)
         self._check_room(self.snapshot.backlog)  # as of the last step: before any compile
         grammars = await self._grammars([params for _, _, params in requests], grammar_param)
-        stream = RequestStream(self, [request_id for request_id, _, _ in requests])
+        stream = RequestStream(self.abort, [request_id for request_id, _, _ in requests])
 
         def add() -> None:
             self._check_room(self.engine.snapshot().backlog)
@@ -395,12 +340,12 @@ class AsyncLLMEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            batches.setdefault(stream._loop, []).append((stream, out))
+            batches.setdefault(stream.loop, []).append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
         for loop, batch in batches.items():
             try:
-                loop.call_soon_threadsafe(_deliver, batch)
+                loop.call_soon_threadsafe(deliver, batch)
             except Exception as exc:  # e.g. the consumer's event loop is gone
                 for stream, out in batch:
                     self._streams[out.request_id] = stream
@@ -414,7 +359,7 @@ class AsyncLLMEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             with contextlib.suppress(Exception):  # the consumer's loop may be gone
-                stream._put(error)
+                stream.put_threadsafe(error)
 
     @staticmethod
     def _run(commands: list[Callable[[], None]]) -> None:
@@ -441,12 +386,6 @@ class AsyncLLMEngine:
 def _check_max_waiting(max_waiting: int | None) -> None:
     if max_waiting is not None:
         check_int(max_waiting, "max_waiting", min=0)
-
-
-def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
-    """On the consumer's loop: each output into its stream's queue."""
-    for stream, out in batch:
-        stream._queue.put_nowait(out)
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -41,32 +41,30 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.reservation import reserve_tokens
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.engine.beam_search import BeamState, advance_beams
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.grammars import Grammars
 from pagedllm.engine.kv_event_access import CurveKeys, who_may_subscribe
+from pagedllm.engine.kv_pool_setup import build_kv_pool
 from pagedllm.engine.kv_recorder import KVRecorder, Record, Sink, engine_snapshot
 from pagedllm.engine.listeners import Listeners, StepListener
 from pagedllm.engine.memory_check import check_memory
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestMetrics, RequestOutput
-from pagedllm.engine.prompts import check_token_ids, encode_text
+from pagedllm.engine.request_checks import RequestChecks
 from pagedllm.engine.snapshot import EngineSnapshot, take_snapshot
 from pagedllm.engine.speculation import Speculation
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_rows import (
     RowBuilder,
     StepRows,
-    beam_candidates,
     raise_row_errors,
     sampling_params,
 )
-from pagedllm.errors import InvalidParameterError
-from pagedllm.kv.groups import group_layers, group_size
-from pagedllm.kv.manager import KVCacheManager, KVUsage
+from pagedllm.kv.manager import KVUsage
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 from pagedllm.worker.runner import ModelRunner, SampledTokens
 
@@ -104,28 +102,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         spec = runner.spec
         self.vocab_size = spec.vocab_size
-
-        groups = group_layers(
-            spec.layer_windows, spec.num_layers, not config.disable_hybrid_kv_cache_manager
-        )
-        # A block holds one group's layers: a share of what a block of every layer takes.
-        block_bytes = -(
-            -runner.kv_bytes_per_block(config.block_size) * group_size(groups) // spec.num_layers
-        )
-        sizing = KVCacheManager(1, config.block_size, groups=groups)  # counts blocks only
-        num_blocks, watermark_blocks, max_len = config.pool_size(
-            block_bytes,
-            spec.max_position_embeddings,
-            lambda n: sizing.blocks_for_tokens(n, min(n, config.max_num_batched_tokens)),
-        )
+        self.kv, max_len = build_kv_pool(config, runner)
         self.max_model_len = max_len
-        self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            watermark_blocks=watermark_blocks,
-            groups=groups,
-        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=max_len,
@@ -134,15 +112,17 @@ class LLMEngine:
             ),
             self.kv,
         )
-        runner.init_kv_cache(
-            num_blocks,
-            config.block_size,
-            tuple(g.layers for g in groups),
-            self.kv.null_block is not None,
-        )
         self.eos_token_ids = set(spec.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        self.checks = RequestChecks(
+            tokenizer,
+            self.vocab_size,
+            frozenset(self.eos_token_ids),
+            max_len,
+            config.kv_reservation,
+            self.scheduler.check_fits,
+        )
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, max_len)
         self._beams: dict[str, BeamState] = {}  # request id -> its beam search
         self.grammars = Grammars(
@@ -162,18 +142,6 @@ class LLMEngine:
             self.kv_events = self._publish_kv_events(
                 config.kv_events_endpoint, config.kv_events_keys()
             )
-        logger.info(
-            "KV pool: %d blocks x %d tokens x %d bytes/block = %.1f MiB; max_model_len %d; "
-            "%d layer group(s) of %d layers, windows %s",
-            num_blocks,
-            config.block_size,
-            block_bytes,
-            num_blocks * block_bytes / 2**20,
-            max_len,
-            len(groups),
-            group_size(groups),
-            [g.window for g in groups],
-        )
 
     # --------------------------------------------------------------- requests
     def add_request(
@@ -191,20 +159,20 @@ class LLMEngine:
         async engine compiles it off this thread); compiled here if not given.
         """
         params = params or SamplingParams()
-        prompt_ids, num_seqs, reserve = self._checked(prompt, params)
+        checked = self.checks.check(prompt, params)
         spec = params.structured_outputs if isinstance(params, SamplingParams) else None
         if spec is None:
             grammar = None
         elif grammar is None:
             grammar = self.grammars.compile(spec)
-        seq = self.scheduler.new_seq(prompt_ids)
+        seq = self.scheduler.new_seq(checked.prompt_ids)
         if grammar is not None:
             self.grammars.add(seq.seq_id, self.grammars.start(grammar))
         request = Request(
             request_id=request_id,
             seqs=[seq],
-            num_seq_slots=num_seqs,
-            reserve_tokens=reserve,
+            num_seq_slots=checked.num_seqs,
+            reserve_tokens=checked.reserve_tokens,
             params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             prompt=prompt if isinstance(prompt, str) else None,
@@ -222,47 +190,7 @@ class LLMEngine:
         ids, sequence count, context or KV-pool fit: checks that cost next to nothing, for
         the server to make before it compiles a grammar. Safe from any thread (it reads
         only what the engine's configuration fixes)."""
-        self._checked(prompt, params or SamplingParams())
-
-    def _checked(
-        self, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams
-    ) -> tuple[list[int], int, int]:
-        """(prompt token ids, sequences, tokens reserved up front) of a request that could
-        run; InvalidParameterError otherwise."""
-        is_beam = isinstance(params, BeamSearchParams)
-        if isinstance(prompt, str):
-            prompt_ids = encode_text(self.tokenizer, prompt)
-        else:
-            prompt_ids = list(prompt)
-        prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
-        vocab = self.vocab_size
-        if isinstance(params, SamplingParams):
-            if any(t >= vocab for t in params.stop_token_ids):
-                raise InvalidParameterError(
-                    "stop_token_ids", f"stop_token_ids must be in [0, {vocab - 1}]"
-                )
-            if any(t >= vocab for t in params.logit_bias or {}):
-                raise InvalidParameterError(
-                    "logit_bias", f"logit_bias keys must be token ids in [0, {vocab - 1}]"
-                )
-        elif beam_candidates(params, self.eos_token_ids) > vocab:
-            raise InvalidParameterError(
-                "beam_width", f"beam_width must be at most {vocab // 2} for this vocabulary"
-            )
-        num_seqs = params.beam_width if is_beam else params.num_seqs
-        seqs_param = "beam_width" if is_beam else ("best_of" if params.best_of else "n")
-        if num_seqs > 1 and self.config.kv_reservation != "paged":
-            raise InvalidParameterError(
-                seqs_param,
-                f"kv_reservation={self.config.kv_reservation!r} is a one-sequence baseline: "
-                "use n=1 (no best_of or beam search) or kv_reservation='paged'",
-            )
-        max_new = params.max_tokens or max(self.max_model_len - len(prompt_ids), 1)
-        reserve = reserve_tokens(
-            self.config.kv_reservation, len(prompt_ids), max_new, self.max_model_len
-        )
-        self.scheduler.check_fits(len(prompt_ids), max_new, num_seqs, reserve, seqs_param)
-        return prompt_ids, num_seqs, reserve
+        self.checks.check(prompt, params or SamplingParams())
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; every block it held returns to the pool."""
@@ -291,6 +219,11 @@ class LLMEngine:
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, e.g. to time prompts from a cold cache; running
+        requests keep their blocks."""
+        self.kv.reset_prefix_cache()
 
     def usage(self) -> KVUsage:
         return self.kv.usage()

@@ -25,11 +25,13 @@ def check_text(text: str, param: str) -> None:
         ) from None
 
 
-def encode_text(tokenizer: Any, text: str, param: str = "prompt") -> list[int]:
+def encode_text(
+    tokenizer: Any, text: str, param: str = "prompt", add_special_tokens: bool = True
+) -> list[int]:
     if tokenizer is None:
         raise InvalidParameterError(param, "this model has no tokenizer: pass prompt token ids")
     check_text(text, param)
-    return list(tokenizer.encode(text, add_special_tokens=True))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> list[int]:

@@ -16,7 +16,8 @@ Plain bookkeeping: no torch.
 
 from __future__ import annotations
 
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.sequence import Request, RequestStatus
 from pagedllm.engine.grammars import Grammars
 from pagedllm.engine.step_rows import StepRows

@@ -13,7 +13,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.engine.beam_search import BeamState
 from pagedllm.engine.grammars import Grammars

@@ -37,6 +37,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`)."""
+        self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

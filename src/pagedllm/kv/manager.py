@@ -317,6 +317,10 @@ class KVCacheManager:
                 self.listener.on_freed(seq_id, table, group=g)
             table.free()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay in use; later ones cache anew)."""
+        self.allocator.reset_prefix_cache()
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write block copies the worker must do before the next forward."""
         copies, self._pending_copies = self._pending_copies, []

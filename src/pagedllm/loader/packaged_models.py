@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.loader.hf_cache import find_in_hub_cache, is_repo_id
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,17 @@ def default_model_path() -> str:
 
 def resolve_model_path(model: str | None) -> str:
     """The path to load for `model`: None -> the default model; a packaged model's name ->
-    its GGUF (unless a file or folder of that name exists here); anything else as given."""
+    its GGUF, a hub name (`org/name`) -> its snapshot in the local Hugging Face cache
+    (hf_cache.py), each unless a file or folder of that name exists here; anything else
+    as given."""
     if model is None:
         return default_model_path()
     model = os.path.expanduser(os.fspath(model))
+    if os.path.exists(model):
+        return model
     packaged = PACKAGED_MODELS.get(model.lower())
-    if packaged is not None and not os.path.exists(model):
+    if packaged is not None:
         return packaged.path()
+    if is_repo_id(model):
+        return find_in_hub_cache(model)
     return model

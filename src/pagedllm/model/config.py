@@ -143,11 +143,10 @@ class ModelConfig:
         """Layer `layer`'s attention window in tokens, or None (full attention)."""
         return None if self.layer_windows is None else self.layer_windows[layer]
 
-    def layer_rope_theta(self, layer: int) -> float:
-        """The rope base of layer `layer`."""
-        if self.local_rope_theta is not None and self.layer_window(layer) is not None:
-            return self.local_rope_theta
-        return self.rope_theta
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates by `local_rope_theta` (Gemma 3's windowed layers),
+        not `rope_theta`."""
+        return self.local_rope_theta is not None and self.layer_window(layer) is not None
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes of K and V for one token across all layers, at `element_size` bytes each."""

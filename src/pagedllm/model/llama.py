@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         # Gemma 3's windowed layers: their own rope base, unscaled.
         self.local_rotary = None
-        if config.local_rope_theta is not None and config.layer_windows is not None:
+        if any(config.uses_local_rope(i) for i in range(config.num_hidden_layers)):
             local = dataclasses.replace(
                 config, rope_theta=config.local_rope_theta, rope_scaling=None
             )
@@ -220,8 +220,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens  # one tensor, two uses (GGUF: at load)
 
     def _rotary_of(self, layer: int) -> RotaryEmbedding:
-        local = self.local_rotary is not None and self.config.layer_window(layer) is not None
-        return self.local_rotary if local and self.local_rotary is not None else self.rotary
+        if self.config.uses_local_rope(layer) and self.local_rotary is not None:
+            return self.local_rotary
+        return self.rotary
 
     @torch.inference_mode()
     def forward(

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.model.config import ModelConfig
 from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.runner import SampledTokens, SampleRow

@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.worker.batch_tables import BatchTables, ListTableStore
 from pagedllm.worker.penalty_rows import ListCountStore, PenaltyRows
 from pagedllm.worker.runner import AcceptedDrafts, ModelSpec, SampledTokens, SampleRow

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.worker.batch_tables import BatchTables
 
 

@@ -27,7 +27,7 @@ import torch
 from pagedllm.attention.backends import AttentionBackend, select_attention
 from pagedllm.attention.metadata import build_grouped_metadata
 from pagedllm.attention.timed import TimedAttention
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import InvalidParameterError, KernelUnavailableError
 from pagedllm.kernels.cpu import load_cpu_ops
 from pagedllm.kernels.int8_choice import isa_name

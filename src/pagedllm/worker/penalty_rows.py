@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.worker.row_slots import RowSlots
 from pagedllm.worker.runner import SampledTokens, SampleRow
 

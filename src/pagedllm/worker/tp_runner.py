@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import InvalidParameterError, TensorParallelError
 from pagedllm.loader import LoadedModel
 from pagedllm.model.sharding import check_tensor_parallel, shard_weights

@@ -1,7 +1,8 @@
 """create_app(engine, ...): the OpenAI-compatible FastAPI app over one engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models and
-GET /v1/models/{id} (all behind the API key when one is set; an empty key is no key),
+GET /v1/models/{id}, POST /tokenize, POST /detokenize and GET /tokenizer_info
+(tokenization.py; all behind the API key when one is set; an empty key is no key),
 GET|HEAD /health, GET /metrics, the KV view under /kv unless `kv_view=False` (behind the
 key too; see kv_routes.py), and, only with `enable_docs`, /docs, /redoc and /openapi.json
 (behind the key too). Request bodies are read by hand, so the checks run in
@@ -43,23 +44,39 @@ from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.request_id import RequestIdMiddleware
 from pagedllm.entrypoints.server.routes import api_router, docs_router, ops_router
 from pagedllm.entrypoints.server.serving import Serving
+from pagedllm.entrypoints.server.tokenization import tokenizer_router
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, parser_factory
+from pagedllm.loader.hf_cache import is_repo_id
 from pagedllm.validation import check_int
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_model_name(model_path: str | None) -> str:
+    """The name served by default: a hub name (`org/name`) as given, as vLLM serves it,
+    else the model file's or folder's name."""
     if model_path is None:
         return DEFAULT_MODEL_NAME
+    if is_repo_id(model_path) and not os.path.exists(model_path):
+        return model_path
     name = os.path.basename(os.path.normpath(model_path))
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def served_names(names: str | Sequence[str] | None, model_path: str | None) -> tuple[str, ...]:
+    """The names clients may send, the first echoed in responses; ValueError if empty."""
+    if names is None:
+        return (default_model_name(model_path),)
+    listed = (names,) if isinstance(names, str) else tuple(dict.fromkeys(names))
+    if not listed or not all(isinstance(n, str) and n for n in listed):
+        raise ValueError(f"served model names must be non-empty strings, got {names!r}")
+    return listed
 
 
 def create_app(
     engine: LLMEngine | EngineClient,
     *,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     api_key: str | None = None,
     max_waiting: int | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -73,7 +90,9 @@ def create_app(
     tool_call_parser: str = DEFAULT_PARSER,
 ) -> FastAPI:
     """The app over `engine` (an LLMEngine is run on an AsyncLLMEngine); the engine loop
-    starts with the app (or at the first request) and stops with it. `max_waiting` bounds
+    starts with the app (or at the first request) and stops with it. `served_model_name`:
+    the model name, or names, that requests may give (the first is echoed in responses;
+    default: default_model_name). `max_waiting` bounds
     the backlog: requests waiting beyond what the engine can admit (HTTP 503 past it), each
     prompt of a batch counted. `max_prompts_per_request`: the most prompts one
     /v1/completions request may carry (HTTP 400 past it). `body_timeout`: seconds a client
@@ -95,7 +114,8 @@ def create_app(
         in_process.max_waiting = check_int(max_waiting, "max_waiting", min=0)
     check_limits(max_request_bytes, body_timeout, max_prompts_per_request)
     key = ApiKey(api_key)
-    name = served_model_name or default_model_name(engine.config.model)
+    names = served_names(served_model_name, engine.config.model)
+    name = names[0]
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine, metrics, name, parser_factory(tool_call_parser), max_prompts_per_request
@@ -124,9 +144,10 @@ def create_app(
         )
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so on every response
 
-    reader = RequestReader(BodyReader(max_request_bytes, body_timeout), name)
-    card = r.ModelCard(id=name, max_model_len=engine.max_model_len)
-    app.include_router(api_router(serving, reader, card, key))
+    reader = RequestReader(BodyReader(max_request_bytes, body_timeout), names)
+    cards = [r.ModelCard(id=n, max_model_len=engine.max_model_len) for n in names]
+    app.include_router(api_router(serving, reader, cards, key))
+    app.include_router(tokenizer_router(engine, serving.encoder, reader, key))
     if in_process is not None and kv_view:
         feed = KVFeed(in_process, text=kv_view_text, interval=kv_view_interval)
         app.state.kv_feed = feed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -72,11 +73,12 @@ def parse_json(body: bytes) -> dict[str, Any]:
 
 
 class RequestReader:
-    """A request body as a validated request model, for a server of model `model_name`."""
+    """A request body as a validated request model, for a server of the models `names`
+    (one model served under each of them)."""
 
-    def __init__(self, body: BodyReader, model_name: str) -> None:
+    def __init__(self, body: BodyReader, names: Sequence[str]) -> None:
         self.body = body
-        self.model_name = model_name
+        self.names = tuple(names)
 
     async def read(self, request: Request, model: type[M]) -> M:
         data = parse_json(await self.body.read(request))
@@ -85,15 +87,16 @@ class RequestReader:
         except ValidationError as exc:
             raise from_validation_error(exc) from None
         requested = getattr(parsed, "model", None)
-        if requested is not None and requested != self.model_name:
-            raise model_not_found(requested, self.model_name)
+        if requested is not None and requested not in self.names:
+            raise model_not_found(requested, self.names)
         return parsed
 
 
-def model_not_found(requested: str, name: str) -> APIError:
+def model_not_found(requested: str, names: Sequence[str]) -> APIError:
+    served = ", ".join(f"'{n}'" for n in names)
     return APIError(
         404,
-        f"the model '{requested}' does not exist; this server serves '{name}'",
+        f"the model '{requested}' does not exist; this server serves {served}",
         param="model",
         code="model_not_found",
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from pagedllm.entrypoints.server.messages import ChatMessage, check_tool_results
+from pagedllm.entrypoints.server.messages import ChatMessage, check_messages
 from pagedllm.entrypoints.server.protocol import SamplingRequest, refuse
 from pagedllm.entrypoints.server.structured import Structured
 from pagedllm.entrypoints.server.tools import ToolUse, tool_use
@@ -39,9 +39,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        for i, message in enumerate(self.messages):
-            message.check(f"messages[{i}]")
-        check_tool_results(self.messages)
+        check_messages(self.messages)
         # Asking for nothing (plain text) is fine; anything else would be ignored.
         refuse(
             {

@@ -43,10 +43,12 @@ def encode_chat(
     add_generation_prompt: bool = True,
     param: str = "messages",
     tools: Sequence[Mapping[str, Any]] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of a conversation ([{"role": ..., "content": ...}, ...]) under the
     model's chat template, with the `tools` offered (OpenAI's function tools), if any:
-    in the template's own way, or in the Hermes format where it has none."""
+    in the template's own way, or in the Hermes format where it has none.
+    `add_special_tokens`: the tokenizer's own (a BOS) on top of the template's text."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidParameterError(
             param,
@@ -67,7 +69,7 @@ def encode_chat(
         )
     except Exception as exc:  # the template is user-visible Jinja: any error is the input's
         raise InvalidParameterError(param, f"cannot apply the chat template: {exc}") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def template_reads(tokenizer: Any, name: str) -> bool:

@@ -95,6 +95,13 @@ class ChatMessage(BaseModel):
         return out
 
 
+def check_messages(messages: Sequence[ChatMessage]) -> None:
+    """Each message's `check`, then `check_tool_results`."""
+    for i, message in enumerate(messages):
+        message.check(f"messages[{i}]")
+    check_tool_results(messages)
+
+
 def check_tool_results(messages: Sequence[ChatMessage]) -> None:
     """InvalidParameterError naming the first `tool` message whose tool_call_id is no call
     of an earlier assistant message (after each message's `check`)."""

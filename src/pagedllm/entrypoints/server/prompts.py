@@ -47,11 +47,33 @@ class PromptEncoder:
         conversation: list[dict[str, Any]],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         tokenizer = self.tokenizer
         return await self._run(
-            lambda: encode_chat(tokenizer, conversation, add_generation_prompt, tools=tools)
+            lambda: encode_chat(
+                tokenizer,
+                conversation,
+                add_generation_prompt,
+                tools=tools,
+                add_special_tokens=add_special_tokens,
+            )
         )
+
+    async def text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of one text, with or without the tokenizer's special tokens."""
+        tokenizer = self.tokenizer
+        return await self._run(lambda: encode_text(tokenizer, text, "prompt", add_special_tokens))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens kept."""
+        tokenizer = self.tokenizer
+        return await self._run(lambda: str(tokenizer.decode(token_ids)))
+
+    async def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token's own string in the vocabulary (e.g. "Ġworld")."""
+        tokenizer = self.tokenizer
+        return await self._run(lambda: list(tokenizer.convert_ids_to_tokens(token_ids)))
 
     def close(self) -> None:
         if self._pool is not None:

@@ -27,9 +27,10 @@ DOCS_FONTS = ("https://fonts.googleapis.com", "https://fonts.gstatic.com")
 
 
 def api_router(
-    serving: Serving, reader: RequestReader, card: r.ModelCard, api_key: ApiKey
+    serving: Serving, reader: RequestReader, cards: list[r.ModelCard], api_key: ApiKey
 ) -> APIRouter:
-    """POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models[/{id}]."""
+    """POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models[/{id}] (one
+    card per served name)."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
 
     @v1.post("/completions")
@@ -44,13 +45,14 @@ def api_router(
     @v1.head("/models", include_in_schema=False)
     @v1.get("/models")
     async def models() -> JSONResponse:
-        return JSONResponse(r.dump(r.ModelList(data=[card])))
+        return JSONResponse(r.dump(r.ModelList(data=cards)))
 
     @v1.head("/models/{model_id:path}", include_in_schema=False)
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
-        if model_id != card.id:
-            raise model_not_found(model_id, card.id)
+        card = next((c for c in cards if c.id == model_id), None)
+        if card is None:
+            raise model_not_found(model_id, [c.id for c in cards])
         return JSONResponse(r.dump(card))
 
     return v1

@@ -24,6 +24,13 @@ from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve, as --model takes it (the same as --model MODEL)",
+    )
+    p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
     p.add_argument("--port", type=int, default=8000)
@@ -35,8 +42,11 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients send (default: the model file's name)",
+        metavar="NAME",
+        help="the model names clients may send, the first echoed in responses (default: "
+        "the model as given for a hub name org/name, else the model file's name)",
     )
     p.add_argument(
         "--max-waiting",
@@ -139,6 +149,18 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def take_model_tag(args: argparse.Namespace) -> None:
+    """`pagedllm serve MODEL` is `--model MODEL`; both, naming different models, is an error."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(
+            f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}: "
+            "give it once"
+        )
+    args.model = args.model_tag
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
@@ -157,6 +179,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if shutdown_timeout is None:
         shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT_S
     check_shutdown_timeout(shutdown_timeout)
+    take_model_tag(args)
     config = engine_config(args)
     if args.ray:
         from pagedllm.entrypoints.ray_serve.cli import run_ray_serve
