@@ -122,7 +122,9 @@ class TorchModelRunner:
         # Speculating rows draw their unseeded noise from the sampler's generator too.
         self.verifier = SpecVerifier(self.sampler.generator)
         self._generators: dict[int, torch.Generator] = {}
-        self.count_store = TensorCountStore(cfg.vocab_size, self.device)
+        # The sampled logits are the whole vocabulary's, also on a rank holding a share.
+        vocab = parallel.vocab_size if parallel is not None else cfg.vocab_size
+        self.count_store = TensorCountStore(vocab, self.device)
         self.penalties = PenaltyRows(self.count_store)
         self.draft: DraftProposer | None = None
         if draft is not None:
