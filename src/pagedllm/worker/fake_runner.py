@@ -6,9 +6,9 @@ that checks proposed tokens (speculative decoding) keeps a deterministic number 
 (`num_accepted`), so that runs cover both kept and rejected proposals. It keeps the
 block tables as the real runner does, from each step's changes (`tables`, the same
 BatchTables over lists), and the penalty counts (`penalties`, the same PenaltyRows over
-sets and Counters), so that tests can hold them against the scheduler's and the engine's. Driving
-the real LLMEngine with it gives the engine's exact block, admission and preemption
-figures at thousands of steps per second, without torch.
+sets and Counters), so that tests can hold them against the scheduler's and the
+engine's. Driving the real LLMEngine with it gives the engine's exact block, admission
+and preemption figures at thousands of steps per second, without torch.
 """
 
 from __future__ import annotations

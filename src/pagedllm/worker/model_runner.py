@@ -4,9 +4,9 @@ Each step it does the copy-on-write block copies, brings its persistent batch of
 tables up to date with the step's changes (worker/input_batch.py), builds the flat token
 batch and its AttentionMetadata, runs the forward, and samples the rows that need a token. It owns
 every tensor of the engine: weights, the paged KV pool, the sampler, the random
-generators of seeded samples (keyed by sequence id, dropped when the sequence ends) and the
-token counts of sequences with penalties (worker/penalty_rows.py: built once from the ids a
-row carries, then counting each step's kept tokens).
+generators of seeded samples (keyed by sequence id, dropped when the sequence ends) and
+the token counts of sequences with penalties (worker/penalty_rows.py: built once from
+the ids a row carries, then counting each step's kept tokens).
 It computes as its RunnerOptions say (worker/options.py), never reading the engine's
 configuration. With a draft model (worker/draft_model.py) it checks the proposals the
 draft drew after the last step against the draft's distributions, and after drawing the

@@ -64,7 +64,8 @@ class TokenCounts:
     def take(self, index: Sequence[int]) -> TokenCounts:
         """Rows index[0], index[1], ... in that order (a row may repeat)."""
         at = torch.tensor(index, dtype=torch.long, device=self.counts.device)
-        return TokenCounts(self.in_prompt.index_select(0, at), self.counts.index_select(0, at))
+        # Indexing, not index_select: on CPU the latter copies rows this wide 10-50x slower.
+        return TokenCounts(self.in_prompt[at], self.counts[at])
 
     def plus(self, outputs: Sequence[Sequence[int]]) -> TokenCounts:
         """Row i with outputs[i] counted as output tokens too (a new TokenCounts)."""
