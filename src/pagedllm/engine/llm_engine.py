@@ -199,7 +199,8 @@ class LLMEngine:
             grammar = self.grammars.compile(spec)
         seq = self.scheduler.new_seq(prompt_ids)
         if grammar is not None:
-            self.grammars.add(seq.seq_id, self.grammars.start(grammar))
+            think = params.think_tokens if isinstance(params, SamplingParams) else None
+            self.grammars.add(seq.seq_id, self.grammars.start(grammar), think)
         request = Request(
             request_id=request_id,
             seqs=[seq],
@@ -244,6 +245,11 @@ class LLMEngine:
             if any(t >= vocab for t in params.logit_bias or {}):
                 raise InvalidParameterError(
                     "logit_bias", f"logit_bias keys must be token ids in [0, {vocab - 1}]"
+                )
+            think = params.think_tokens
+            if think is not None and max(think.end, think.start or 0) >= vocab:
+                raise InvalidParameterError(
+                    "think_tokens", f"think_tokens must be token ids in [0, {vocab - 1}]"
                 )
         elif beam_candidates(params, self.eos_token_ids) > vocab:
             raise InvalidParameterError(
