@@ -176,7 +176,9 @@ def test_qwen3_grammar_starts_at_once_unless_the_output_opens_a_block(qwen3: Liv
     start, end = tag_ids(qwen3)
     body: dict[str, Any] = dict(response_format=FORMAT, max_completion_tokens=60, seed=0)
     # The first token may be <think> (favoured: taken), and the block's end starts the JSON.
-    message = chat(qwen3, logit_bias={str(start): 100, str(end): 100}, **body).choices[0].message
+    completion = chat(qwen3, logit_bias={str(start): 100, str(end): 100}, logprobs=True, **body)
+    message = completion.choices[0].message
+    assert completion.choices[0].logprobs.content[0].token == "<think>"
     reasoning = reasoning_of(message)
     assert reasoning is None or set(reasoning.split("<think>")) == {""}, reasoning
     jsonschema.validate(json.loads(message.content or ""), SCHEMA)
