@@ -1,10 +1,12 @@
 """The reasoning parsers (entrypoints/server/reasoning.py): whole outputs split exactly,
 with and without tags, and any way of cutting an output into stream pieces gives the
 same parts joined as the whole; the engine's grammar bookkeeping that starts after the
-reasoning (engine/grammars.py, with stand-in matchers)."""
+reasoning (engine/grammars.py: with stand-in matchers, then through the offline engine).
+"""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,8 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pagedllm import LLM, StructuredOutputs
 from pagedllm.engine.grammars import Grammars
 from pagedllm.entrypoints.server.reasoning import REASONING_PARSERS, reasoning_parser
+from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams, ThinkTokens
 
 R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
@@ -190,3 +194,31 @@ def test_a_bitmask_row_allows_one_more_token() -> None:
     mask.allow(0, 31)  # the sign bit of an int32 word
     mask.allow(0, 40)
     assert mask.tensor[0].tolist() == [-(2**31), 1 << 8, 0]
+
+
+def test_the_engines_grammar_starts_after_the_end_token(offline: LLM) -> None:
+    """Through the engine, with xgrammar: each of n=2 samples (forked at the first draw)
+    draws freely until the end token, then follows the regex to its end."""
+    end = 504  # any token: the engine knows the tag by its id alone
+    tokenizer = offline.engine.tokenizer
+    params = SamplingParams(
+        n=2,
+        seed=0,
+        max_tokens=40,
+        logit_bias={end: 9},
+        structured_outputs=StructuredOutputs(regex="[ab]{4}"),
+        think_tokens=ThinkTokens(end=end),
+    )
+    (out,) = offline.generate(["Hi"], params, use_tqdm=False)
+    reasoning = []
+    for c in out.outputs:
+        ids = list(c.token_ids)
+        cut = ids.index(end)
+        reasoning += ids[:cut]
+        assert re.fullmatch("[ab]{4}", tokenizer.decode(ids[cut + 1 :], skip_special_tokens=True))
+        assert c.finish_reason == "stop"
+    free = tokenizer.decode(reasoning)
+    assert free and not re.fullmatch("[ab]*", free)  # the grammar did not hold the reasoning
+    with pytest.raises(InvalidParameterError) as err:
+        offline.engine.check_request([1, 2], SamplingParams(think_tokens=ThinkTokens(end=10**6)))
+    assert err.value.param == "think_tokens"
