@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from pagedllm import LLM, StructuredOutputs
 from pagedllm.engine.grammars import Grammars
+from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.server.reasoning import REASONING_PARSERS, reasoning_parser
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams, ThinkTokens
@@ -111,7 +112,14 @@ def test_think_tokens_from_the_vocabulary() -> None:
     assert R1.think_tokens(None) is None
 
 
-def test_parser_names() -> None:
+def test_parser_names(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).reasoning_parser is None
+    args = parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
+    assert args.reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--reasoning-parser", "r1"])
+    assert "choose from 'deepseek_r1', 'qwen3'" in capsys.readouterr().err
     assert reasoning_parser(None) is None
     assert reasoning_parser("qwen3") is QWEN3
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
