@@ -34,18 +34,25 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 _built: dict[str, Path] = {}
 
 
-def build_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with SmolLM2's real tokenizer and chat template (built once)."""
-    if "chat" in _built:
-        return _built["chat"]
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's real tokenizer and chat template, from the packaged model (the test is
+    skipped without it)."""
     try:
         gguf = default_model_path()
     except ModelLoadError as exc:
         pytest.skip(str(exc))
     from pagedllm.loader.tokenizer import load_gguf_tokenizer
 
+    return load_gguf_tokenizer(gguf, None)
+
+
+def build_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template (built once)."""
+    if "chat" in _built:
+        return _built["chat"]
+    tokenizer = smollm2_tokenizer()
     path = make_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "llama", vocab_size=49152)
-    load_gguf_tokenizer(gguf, None).save_pretrained(path)
+    tokenizer.save_pretrained(path)
     _built["chat"] = path
     return path
 

@@ -202,6 +202,26 @@ def _without_annotations(schema: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class ThinkTokens:
+    """The tokens a thinking model's reasoning block opens and ends with: a grammar
+    (`structured_outputs`) holds only the answer after `end`. `start` None: the output
+    opens in reasoning (the chat template opened the block); else the output reasons
+    only if its first token is `start`, and is the answer at once otherwise."""
+
+    end: int
+    start: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(is_int(self.end) and self.end >= 0, "think_tokens.end", "a token id >= 0", self.end)
+        _check(
+            self.start is None or (is_int(self.start) and self.start >= 0),
+            "think_tokens.start",
+            "a token id >= 0 or None",
+            self.start,
+        )
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     best_of: int | None = None
@@ -225,6 +245,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # output that follows a grammar (a JSON schema, a regex, ...); None: free text
     structured_outputs: StructuredOutputs | None = None
+    # where a thinking model's reasoning ends: the grammar of structured_outputs starts
+    # after it (None: the grammar holds the whole output)
+    think_tokens: ThinkTokens | None = None
     # what each output carries: everything so far (the default), only what is new, or
     # nothing until the request ends (engine/output_processor.py says how each is built)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -315,6 +338,12 @@ class SamplingParams:
             "structured_outputs",
             "a StructuredOutputs (or a dict of its fields) or None",
             so,
+        )
+        _check(
+            self.think_tokens is None or isinstance(self.think_tokens, ThinkTokens),
+            "think_tokens",
+            "a ThinkTokens or None",
+            self.think_tokens,
         )
         _check_output_kind(self.output_kind)
 

@@ -167,7 +167,8 @@ class LLMEngine:
             grammar = self.grammars.compile(spec)
         seq = self.scheduler.new_seq(checked.prompt_ids)
         if grammar is not None:
-            self.grammars.add(seq.seq_id, self.grammars.start(grammar))
+            think = params.think_tokens if isinstance(params, SamplingParams) else None
+            self.grammars.add(seq.seq_id, self.grammars.start(grammar), think)
         request = Request(
             request_id=request_id,
             seqs=[seq],

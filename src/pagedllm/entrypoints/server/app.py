@@ -41,6 +41,7 @@ from pagedllm.entrypoints.server.limits import (
     check_limits,
 )
 from pagedllm.entrypoints.server.metrics import ServerMetrics
+from pagedllm.entrypoints.server.reasoning import reasoning_parser as find_reasoning_parser
 from pagedllm.entrypoints.server.request_id import RequestIdMiddleware
 from pagedllm.entrypoints.server.routes import api_router, docs_router, ops_router
 from pagedllm.entrypoints.server.serving import Serving
@@ -88,6 +89,7 @@ def create_app(
     kv_view_text: bool = False,
     kv_view_interval: float = 0.25,
     tool_call_parser: str = DEFAULT_PARSER,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The app over `engine` (an LLMEngine is run on an AsyncLLMEngine); the engine loop
     starts with the app (or at the first request) and stops with it. `served_model_name`:
@@ -101,7 +103,9 @@ def create_app(
     `kv_view_interval` seconds at most, with token text only if `kv_view_text`.
     `max_waiting` and `kv_view` need an engine in this process (ValueError otherwise).
     `tool_call_parser`: how the model writes a tool call, read back under tool_choice
-    "auto" (tool_parsers.py; ValueError if unknown)."""
+    "auto" (tool_parsers.py; ValueError if unknown). `reasoning_parser` ("deepseek_r1" or
+    "qwen3"; None: off): splits a chat answer's `<think>` reasoning into
+    `reasoning_content` (reasoning.py; ValueError if unknown)."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     in_process = engine if isinstance(engine, AsyncLLMEngine) else None
@@ -118,7 +122,12 @@ def create_app(
     name = names[0]
     metrics = ServerMetrics(engine)
     serving = Serving(
-        engine, metrics, name, parser_factory(tool_call_parser), max_prompts_per_request
+        engine,
+        metrics,
+        name,
+        parser_factory(tool_call_parser),
+        max_prompts_per_request,
+        find_reasoning_parser(reasoning_parser),
     )
 
     # FastAPI's own docs routes cannot take the key: docs_router's can.

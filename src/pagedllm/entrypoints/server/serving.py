@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -36,6 +36,7 @@ from pagedllm.entrypoints.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.protocol import CompletionRequest
+from pagedllm.entrypoints.server.reasoning import ReasoningParser, ReasoningStream
 from pagedllm.entrypoints.server.request_id import request_id
 from pagedllm.entrypoints.server.streaming import (
     Delta,
@@ -98,12 +99,15 @@ class Serving:
     # how the model writes a tool call (tool_parsers.py), read back under "auto"
     parser_factory: Callable[[Collection[str]], ToolParser] = PARSERS[DEFAULT_PARSER]
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    # splits a chat answer's reasoning from its content (reasoning.py); None: no split
+    reasoning: ReasoningParser | None = None
     encoder: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
         tokenizer = self.engine.tokenizer
         self.encoder = PromptEncoder(tokenizer)
         self._numbers = itertools.count()
+        self._think = self.reasoning.think_tokens(tokenizer) if self.reasoning else None
 
         @lru_cache(maxsize=65536)
         def token_str(token_id: int) -> str:
@@ -132,6 +136,8 @@ class Serving:
             prompts = await encode()
             structured = req.structured()
             field = structured.field if structured is not None else None
+            if field is not None and isinstance(req, ChatCompletionRequest):
+                params = self._after_reasoning(params, field)
             gen = await submit(
                 self.engine, self.metrics, rid, prompts, params, arrival, client_id, field
             )
@@ -143,6 +149,21 @@ class Serving:
             len(prompts),
         )
         return Started(rid, created, self.model_name, params, gen)
+
+    def _after_reasoning(self, params: SamplingParams, field: str) -> SamplingParams:
+        """Chat params whose grammar (asked for by the request's `field`) starts after
+        the reasoning, when the server splits reasoning; InvalidParameterError naming
+        `field` when the model's vocabulary cannot show where the reasoning ends."""
+        if self.reasoning is None:
+            return params
+        if self._think is None:
+            raise InvalidParameterError(
+                field,
+                f"{field} cannot be used with the {self.reasoning.name} reasoning parser on "
+                "this model: its vocabulary has no <think> and </think> tokens, so the "
+                "grammar cannot tell where the answer starts",
+            )
+        return replace(params, think_tokens=self._think)
 
     async def _respond(
         self,
@@ -248,6 +269,19 @@ class Serving:
         def chunk(d: Delta, delta: dict[str, Any], reason: str | None) -> Choices:
             return [{"index": d.index, "delta": delta, "logprobs": lps(d), "finish_reason": reason}]
 
+        thinking: dict[int, ReasoningStream] = {}  # with a reasoning parser: each choice's
+
+        def split(d: Delta) -> tuple[str, str]:
+            """(reasoning, content) that this piece of the choice's text completes."""
+            if self.reasoning is None:
+                return "", d.text
+            stream = thinking.setdefault(d.index, self.reasoning.stream())
+            reasoning, content = stream.feed(d.text)
+            if d.finish_reason is not None:
+                more, rest = stream.finish()
+                reasoning, content = reasoning + more, content + rest
+            return reasoning, content
+
         started: set[int] = set()
 
         def stream_choices(_: int, out: RequestOutput) -> Iterable[Choices]:
@@ -258,16 +292,17 @@ class Serving:
                     yield [
                         {"index": d.index, "delta": first, "logprobs": None, "finish_reason": None}
                     ]
-                if use is None:
-                    if worth_sending(d, k):
-                        yield chunk(d, {"content": d.text} if d.text else {}, d.finish_reason)
-                    continue
-                calls = tool_stream(d.index)
-                text, deltas = calls.feed(d.text)
-                if d.finish_reason is not None:
-                    more, rest = calls.finish()
-                    text, deltas = text + more, deltas + rest
-                delta: dict[str, Any] = {"content": text} if text else {}
+                reasoning, text = split(d)
+                delta: dict[str, Any] = _reasoning_fields(reasoning) if reasoning else {}
+                deltas: list[dict[str, Any]] = []
+                if use is not None:
+                    calls = tool_stream(d.index)
+                    text, deltas = calls.feed(text)
+                    if d.finish_reason is not None:
+                        more, rest = calls.finish()
+                        text, deltas = text + more, deltas + rest
+                if text:
+                    delta["content"] = text
                 if deltas:
                     delta["tool_calls"] = deltas
                 if delta or d.finish_reason or (k is not None and d.token_ids):
@@ -276,9 +311,14 @@ class Serving:
         def final_choices(finals: list[RequestOutput]) -> Choices:
             choices = []
             for d in choice_deltas(finals[0]):
-                msg: dict[str, Any] = {"role": "assistant", "content": d.text}
-                if use is not None:
-                    whole = tool_stream(d.index).whole(d.text)
+                reasoning, text = (
+                    (None, d.text) if self.reasoning is None else self.reasoning.split(d.text)
+                )
+                msg: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.reasoning is not None:
+                    msg.update(_reasoning_fields(reasoning))
+                if use is not None and text is not None:
+                    whole = tool_stream(d.index).whole(text)
                     msg["content"] = whole.content
                     if whole.calls:
                         msg["tool_calls"] = whole.calls
@@ -312,3 +352,9 @@ class Serving:
                 )
             )
         return [r.dump(c) for c in content]
+
+
+def _reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """A message's or delta's reasoning, under both of vLLM's names: `reasoning_content`
+    (DeepSeek's, which most clients read) and `reasoning`, which vLLM sends too."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
