@@ -4,7 +4,7 @@ body, or Server-Sent Events with `stream: true`). A completion's `prompt` may be
 (at most `max_prompts_per_request` prompts): prompt i's choices are i*n .. i*n+n-1, as in
 vLLM, and usage is summed.
 
-Both endpoints share one flow (`Serving._start`, then `Serving._respond`): check the
+Both endpoints share one flow (`Serving.start`, then `Serving._respond`): check the
 request, build its SamplingParams, encode its prompts, queue them (the async engine checks
 that each could run, then compiles a grammar off its thread), then stream or collect and
 count usage. Each endpoint says only what differs: how its prompts are encoded and
@@ -37,6 +37,7 @@ from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.protocol import CompletionRequest
 from pagedllm.entrypoints.server.request_id import request_id
+from pagedllm.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.server.streaming import (
     Delta,
     Generation,
@@ -114,9 +115,9 @@ class Serving:
         self.token_str = token_str
 
     # ------------------------------------------------------------ the shared flow
-    async def _start(
+    async def start(
         self,
-        req: CompletionRequest | ChatCompletionRequest,
+        req: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
         raw: Request,
         prefix: str,
         encode: Callable[[], Awaitable[list[list[int]]]],
@@ -173,7 +174,7 @@ class Serving:
 
     # ---------------------------------------------------------- completions
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        s = await self._start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
+        s = await self.start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
         k = req.logprobs
         n = s.params.n
 
@@ -228,7 +229,7 @@ class Serving:
             conversation, tools = req.conversation(), req.offered_tools()
             return [await self.encoder.chat(conversation, req.add_generation_prompt, tools)]
 
-        s = await self._start(req, raw, "chatcmpl", encode)
+        s = await self.start(req, raw, "chatcmpl", encode)
         k = (req.top_logprobs or 0) if req.logprobs else None
         use = req.tool_use()
         streams: dict[int, ToolCallStream] = {}  # with tools: each choice's call stream
