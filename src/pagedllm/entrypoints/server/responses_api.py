@@ -111,7 +111,9 @@ class ResponseBuilder:
             return self._open_message(text)
         part = self._open["content"][0]
         part["text"] += text
-        return [self.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
+        return [
+            self.event("response.output_text.delta", **self._in_text(), delta=text, logprobs=[])
+        ]
 
     def _open_message(self, text: str) -> list[Event]:
         events = self._close("completed")
@@ -125,13 +127,13 @@ class ResponseBuilder:
         events += self._add(item)
         part = {"type": "output_text", "text": "", "annotations": []}
         events.append(
-            self.event("response.content_part.added", **self._where(), part=copy.deepcopy(part))
+            self.event("response.content_part.added", **self._in_text(), part=copy.deepcopy(part))
         )
         item["content"].append(part)
         part["text"] = text
         if text:
             events.append(
-                self.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+                self.event("response.output_text.delta", **self._in_text(), delta=text, logprobs=[])
             )
         return events
 
@@ -153,9 +155,7 @@ class ResponseBuilder:
         if not text or self._open is None:
             return []
         self._open["arguments"] += text
-        where = self._where()
-        del where["content_index"]
-        return [self.event("response.function_call_arguments.delta", **where, delta=text)]
+        return [self.event("response.function_call_arguments.delta", **self._where(), delta=text)]
 
     # ------------------------------------------------------------------ any item
     def _add(self, item: dict[str, Any]) -> list[Event]:
@@ -167,9 +167,13 @@ class ResponseBuilder:
         ]
 
     def _where(self) -> dict[str, Any]:
+        """The open item's id and place, as its events name them."""
         assert self._open is not None
-        index = len(self.response["output"]) - 1
-        return {"item_id": self._open["id"], "output_index": index, "content_index": 0}
+        return {"item_id": self._open["id"], "output_index": len(self.response["output"]) - 1}
+
+    def _in_text(self) -> dict[str, Any]:
+        """The open message's one `output_text` part, as its events name it."""
+        return {**self._where(), "content_index": 0}
 
     def _close(self, status: str) -> list[Event]:
         """Close the open item, if any, with `status`."""
@@ -179,15 +183,12 @@ class ResponseBuilder:
         where = self._where()
         events = []
         if item["type"] == "message":
-            part = item["content"][0]
+            part, at = item["content"][0], self._in_text()
             events.append(
-                self.event("response.output_text.done", **where, text=part["text"], logprobs=[])
+                self.event("response.output_text.done", **at, text=part["text"], logprobs=[])
             )
-            events.append(
-                self.event("response.content_part.done", **where, part=copy.deepcopy(part))
-            )
+            events.append(self.event("response.content_part.done", **at, part=copy.deepcopy(part)))
         else:
-            del where["content_index"]
             events.append(
                 self.event(
                     "response.function_call_arguments.done", **where, arguments=item["arguments"]
