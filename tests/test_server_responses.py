@@ -267,6 +267,7 @@ def post(server: LiveServer, **body: Any) -> httpx.Response:
     ("body", "param"),
     [
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "max_tokens": 5}, "max_tokens"),
         ({"input": "x", "include": ["message.output_text.logprobs"]}, "include[0]"),
@@ -312,4 +313,7 @@ def test_errors_through_the_client(server: LiveServer) -> None:
     assert info.value.body["code"] == "unsupported_parameter"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="other", input="x")
+    # The body is bounded as on the other routes.
+    big = {"model": NAME, "input": "x" * (1 << 20)}
+    check_error(httpx.post(server.url + "/v1/responses", json=big), 413, code="request_too_large")
     assert server.rejected(500) == 0

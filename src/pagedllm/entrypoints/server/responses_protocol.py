@@ -66,10 +66,16 @@ class ResponsesRequest(SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
+        for name in ("previous_response_id", "conversation"):
+            if getattr(self, name) is not None:
+                raise InvalidParameterError(
+                    name,
+                    f"{name} refers to stored responses, and this server keeps none: send the "
+                    "whole conversation in input",
+                    UNSUPPORTED,
+                )
         refuse(
             {
-                "previous_response_id": self.previous_response_id is not None,
-                "conversation": self.conversation is not None,
                 "background": bool(self.background),
                 "prompt": self.prompt is not None,
                 "max_tool_calls": self.max_tool_calls is not None,
