@@ -155,6 +155,28 @@ def test_stream_events_in_order(server: LiveServer) -> None:
     server.assert_pool_whole()
 
 
+def test_a_stream_the_engine_ends_closes_with_an_error_event(server: LiveServer) -> None:
+    stream = server.client().responses.create(
+        model=NAME, input="Hi there!", max_output_tokens=400, stream=True, **GREEDY
+    )
+    events: list[Any] = []
+    try:
+        for event in stream:
+            events.append(event)
+            if event.type == "response.output_text.delta" and len(events) == 5:
+                # No step runs while paused: the request is ended long before its end.
+                server.engine.pause()
+                server.engine.end_unfinished("the engine is shutting down")
+    finally:
+        server.engine.resume()
+    last = events[-1]
+    assert last.type == "error" and last.code == "server_shutting_down", last
+    assert "shutting down" in last.message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert not any(e.type in ("response.completed", "response.incomplete") for e in events)
+    server.assert_pool_whole()
+
+
 def test_function_call_round_trip(server: LiveServer) -> None:
     client = server.client()
     question = [{"role": "user", "content": "Weather in Oslo?"}]
