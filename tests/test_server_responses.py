@@ -8,11 +8,13 @@ holds it to one."""
 from __future__ import annotations
 
 import json
+import typing
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field
 
 from live_server import NAME, LiveServer, check_error
@@ -79,6 +81,42 @@ def test_text_input_runs_as_one_user_message(server: LiveServer) -> None:
     assert r.status == "completed" and r.incomplete_details is None
     assert r.completed_at is not None and r.completed_at >= r.created_at
     assert r.output_text == "Oslo" and r.output[0].status == "completed"
+    server.assert_pool_whole()
+
+
+def event_models() -> dict[str, type[BaseModel]]:
+    """The openai package's model of each stream event, by its `type`."""
+    union = typing.get_args(ResponseStreamEvent)[0]
+    models = typing.get_args(union)
+    return {typing.get_args(m.model_fields["type"].annotation)[0]: m for m in models}
+
+
+def test_every_object_validates_against_the_openai_types(server: LiveServer) -> None:
+    """The client builds its objects without checking them; pydantic's validation of the
+    same JSON finds a missing or mistyped field."""
+    models = event_models()
+    for options in (
+        {"input": "Hi there!", "max_output_tokens": 4},
+        {"input": "Hi there!", "extra_body": {"guided_choice": ["Oslo"]}},
+        {
+            "input": "Weather?",
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "max_output_tokens": 60,
+        },
+    ):
+        body = {"model": NAME, **options.pop("extra_body", {}), **options}
+        whole = httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+        assert whole.status_code == 200, whole.text
+        Response.model_validate(whole.json())
+        stream = {**body, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/responses", json=stream, timeout=120) as r:
+            lines = list(r.iter_lines())
+        names = [line[len("event: ") :] for line in lines if line.startswith("event: ")]
+        events = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ")]
+        assert names == [e["type"] for e in events] and events
+        for event in events:
+            models[event["type"]].model_validate(event)
     server.assert_pool_whole()
 
 

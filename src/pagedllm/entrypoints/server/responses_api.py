@@ -207,7 +207,8 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     """Chat's usage (streaming.Generation.usage) in the Responses API's names."""
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": usage["prompt_tokens_details"],
+        # no cache write is asked for or billed here (OpenAI's prompt_cache_options)
+        "input_tokens_details": {**usage["prompt_tokens_details"], "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         # reasoning tokens are counted here once a reasoning parser splits them off
         "output_tokens_details": {"reasoning_tokens": 0},
