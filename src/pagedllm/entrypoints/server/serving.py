@@ -8,9 +8,11 @@ Both endpoints share one flow (`Serving.start`, then `Serving._respond`): check 
 request, build its SamplingParams, encode its prompts, queue them (the async engine checks
 that each could run, then compiles a grammar off its thread), then stream or collect and
 count usage. Each endpoint says only what differs: how its prompts are encoded and
-the shape of its choices. Engine request ids are `cmpl-`/`chatcmpl-` + the request id
-(the client's X-Request-Id, or one made for it) + a running number, so that two clients
-that send the same X-Request-Id still get separate engine requests.
+the shape of its choices. `/v1/responses` (responses_api.py) starts its requests with
+`Serving.start` too, and answers in its own shape. Engine request ids are `cmpl-`,
+`chatcmpl-` or `resp-` + the request id (the client's X-Request-Id, or one made for it) +
+a running number, so that two clients that send the same X-Request-Id still get separate
+engine requests.
 """
 
 from __future__ import annotations
