@@ -1,8 +1,9 @@
 """create_app(engine, ...): the OpenAI-compatible FastAPI app over one engine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models and
-GET /v1/models/{id}, POST /tokenize, POST /detokenize and GET /tokenizer_info
-(tokenization.py; all behind the API key when one is set; an empty key is no key),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (the
+Responses API: responses_api.py), GET|HEAD /v1/models and GET /v1/models/{id},
+POST /tokenize, POST /detokenize and GET /tokenizer_info (tokenization.py; all behind
+the API key when one is set; an empty key is no key),
 GET|HEAD /health, GET /metrics, the KV view under /kv unless `kv_view=False` (behind the
 key too; see kv_routes.py), and, only with `enable_docs`, /docs, /redoc and /openapi.json
 (behind the key too). Request bodies are read by hand, so the checks run in

@@ -115,7 +115,13 @@ class SamplingRequest(BaseModel):
             "guided_choice": self.guided_choice,
             "guided_grammar": self.guided_grammar,
         }
-        return from_fields(guided, self.structured_outputs, self.response_format)
+        return from_fields(
+            guided, self.structured_outputs, self.response_format, self.text_format()
+        )
+
+    def text_format(self) -> dict[str, Any] | None:
+        """The Responses API's `text.format` (responses_protocol.py); None elsewhere."""
+        return None
 
     def structured_names(self) -> dict[str, str]:
         """Engine parameters of structured output -> the request's field."""

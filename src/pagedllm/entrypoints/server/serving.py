@@ -4,13 +4,15 @@ body, or Server-Sent Events with `stream: true`). A completion's `prompt` may be
 (at most `max_prompts_per_request` prompts): prompt i's choices are i*n .. i*n+n-1, as in
 vLLM, and usage is summed.
 
-Both endpoints share one flow (`Serving._start`, then `Serving._respond`): check the
+Both endpoints share one flow (`Serving.start`, then `Serving._respond`): check the
 request, build its SamplingParams, encode its prompts, queue them (the async engine checks
 that each could run, then compiles a grammar off its thread), then stream or collect and
 count usage. Each endpoint says only what differs: how its prompts are encoded and
-the shape of its choices. Engine request ids are `cmpl-`/`chatcmpl-` + the request id
-(the client's X-Request-Id, or one made for it) + a running number, so that two clients
-that send the same X-Request-Id still get separate engine requests.
+the shape of its choices. `/v1/responses` (responses_api.py) starts its requests with
+`Serving.start` too, and answers in its own shape. Engine request ids are `cmpl-`,
+`chatcmpl-` or `resp-` + the request id (the client's X-Request-Id, or one made for it) +
+a running number, so that two clients that send the same X-Request-Id still get separate
+engine requests.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.protocol import CompletionRequest
 from pagedllm.entrypoints.server.reasoning import ReasoningParser, ReasoningStream
 from pagedllm.entrypoints.server.request_id import request_id
+from pagedllm.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.server.streaming import (
     Delta,
     Generation,
@@ -118,9 +121,9 @@ class Serving:
         self.token_str = token_str
 
     # ------------------------------------------------------------ the shared flow
-    async def _start(
+    async def start(
         self,
-        req: CompletionRequest | ChatCompletionRequest,
+        req: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
         raw: Request,
         prefix: str,
         encode: Callable[[], Awaitable[list[list[int]]]],
@@ -194,7 +197,7 @@ class Serving:
 
     # ---------------------------------------------------------- completions
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        s = await self._start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
+        s = await self.start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
         k = req.logprobs
         n = s.params.n
 
@@ -249,7 +252,7 @@ class Serving:
             conversation, tools = req.conversation(), req.offered_tools()
             return [await self.encoder.chat(conversation, req.add_generation_prompt, tools)]
 
-        s = await self._start(req, raw, "chatcmpl", encode)
+        s = await self.start(req, raw, "chatcmpl", encode)
         k = (req.top_logprobs or 0) if req.logprobs else None
         use = req.tool_use()
         streams: dict[int, ToolCallStream] = {}  # with tools: each choice's call stream
