@@ -37,7 +37,7 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.batch_tables import BatchTables, ListTableStore
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
+from pagedllm.worker.runner import ModelSpec, PromptLogprobsRow, SampledTokens, SampleRow
 
 VOCAB = 50
 EOS = 0
@@ -61,12 +61,16 @@ class CountingRunner(FakeModelRunner):
         self.input_batch: InputBatch | None = None
 
     def execute(
-        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: object = None
+        self,
+        step: SchedulerOutput,
+        rows: Sequence[SampleRow],
+        grammar_bitmask: object = None,
+        prompt_rows: Sequence[PromptLogprobsRow] = (),
     ) -> SampledTokens:
         self.copies += len(step.blocks_to_copy)
         self.whole_tables += sum(s.replaces_tables for s in step.seqs)
         self.appended_tables += sum(not s.replaces_tables for s in step.seqs)
-        sampled = super().execute(step, rows, grammar_bitmask)
+        sampled = super().execute(step, rows, grammar_bitmask, prompt_rows)
         if self.input_batch is None:  # tables as small as can be: the runs make them grow
             self.input_batch = InputBatch(self.tables.num_groups, rows=1, entries=1)
         gathered = self.input_batch.step_tables(step)

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,7 @@ from pagedllm.entrypoints.cli import main
 from pagedllm.errors import InvalidParameterError, TensorParallelError
 from pagedllm.loader import load_model
 from pagedllm.model.sharding import check_tensor_parallel, shard_config, shard_weights
-from pagedllm.worker.runner import SampledTokens, SampleRow
+from pagedllm.worker.runner import PromptLogprobsRow, SampledTokens, SampleRow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [list(range(3, 3 + n)) for n in (4, 19, 33)] + [[100, 7, 9, 11, 2]]
@@ -111,10 +111,13 @@ def test_preemption_prefix_caching_and_copy_on_write(
     execute = split.engine.runner.execute
 
     def recording(
-        step: SchedulerOutput, rows: list[SampleRow], grammar_bitmask: object = None
+        step: SchedulerOutput,
+        rows: list[SampleRow],
+        grammar_bitmask: object = None,
+        prompt_rows: Sequence[PromptLogprobsRow] = (),
     ) -> SampledTokens:
         copies.extend(step.blocks_to_copy)
-        return execute(step, rows, grammar_bitmask)
+        return execute(step, rows, grammar_bitmask, prompt_rows)
 
     monkeypatch.setattr(split.engine.runner, "execute", recording)
     shared = list(range(40, 60))  # two full blocks every prompt starts with
