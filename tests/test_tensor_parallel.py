@@ -1,8 +1,9 @@
 """Tensor parallelism over gloo on this CPU: a tiny random Llama split over 2 ranks gives
 the single-device engine's tokens (greedy, parallel sampling, beams, preemption, prefix
-caching, copy-on-write, under the async engine) and its logits within 1e-4; start-up
-errors name their cause; a killed worker fails the engine without a hang; two processes
-started by torchrun on loopback serve one engine."""
+caching, copy-on-write, under the async engine) and its logits and prompt
+log-probabilities within 1e-4; start-up errors name their cause; a killed worker fails
+the engine without a hang; two processes started by torchrun on loopback serve one
+engine."""
 
 from __future__ import annotations
 
@@ -91,6 +92,21 @@ def test_greedy_tokens_and_logits_equal_one_rank(pair: tuple[LLM, LLM]) -> None:
     ids = list(range(1, 70))
     diff = split.engine.runner.logits_of(ids) - whole.engine.runner.logits_of(ids)
     assert diff.abs().max().item() < 1e-4
+    assert_pool_whole(split)
+
+
+def test_prompt_logprobs_equal_one_rank(pair: tuple[LLM, LLM]) -> None:
+    """Every rank computes the scored positions' logits (their gathers pair up); the
+    driver's values are the single device's."""
+    split, whole = pair
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    mine, theirs = (llm.generate(prompts, params, use_tqdm=False) for llm in (split, whole))
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for got, want in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert set(got) == set(want)
+            assert max(abs(got[t] - want[t]) for t in want) < 1e-4
     assert_pool_whole(split)
 
 
