@@ -83,6 +83,31 @@ def test_prompt_logprobs_survive_preemption(tiny_llama_dir, hf) -> None:
     assert llm.engine.kv.allocator.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_prompt_logits_are_computed_a_few_rows_at_a_time(
+    tiny_llama_dir, hf, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk of 16 prompt positions under a limit of 5 rows: logits of at most 5 rows at
+    once, and the same values."""
+    monkeypatch.setattr("pagedllm.worker.model_runner.PROMPT_LOGITS_ROWS", 5)
+    llm = LLM(str(tiny_llama_dir), block_size=4, max_num_batched_tokens=16, quantization="none")
+    model = llm.engine.runner.model
+    compute_logits = model.compute_logits
+    rows: list[int] = []
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    monkeypatch.setattr(model, "compute_logits", recording)
+    prompt = random_ids(30, 5)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    # Chunks of 16 and 14 positions scoring 16 and 13 tokens, each step then the rows
+    # it samples (none, then the last position's).
+    assert rows == [5, 5, 5, 1, 0, 5, 5, 3, 1]
+    assert_oracle(hf, prompt, out.prompt_logprobs, 2)
+
+
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
 def test_prompt_logprobs_come_with_the_prompt(kind: RequestOutputKind) -> None:
     """DELTA: in the first output only; CUMULATIVE and FINAL_ONLY: in every output. The

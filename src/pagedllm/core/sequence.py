@@ -83,6 +83,7 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
+        """Whether its params ask for the prompt's log-probabilities."""
         return isinstance(self.params, SamplingParams) and self.params.prompt_logprobs is not None
 
     def __post_init__(self) -> None:

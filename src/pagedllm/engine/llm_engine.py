@@ -20,6 +20,11 @@ fails only the requests of that step. A failed request is aborted (its blocks fr
 comes back as a finished RequestOutput with `error` set; the others go on as they would
 have.
 
+Prompt log-probabilities (SamplingParams.prompt_logprobs): each step that computes a
+chunk of such a request's prompt has the runner score the prompt tokens it predicts
+(a PromptLogprobsRow, engine/step_rows.py); they are kept on the request and given with
+the prompt in its outputs.
+
 Speculative decoding (`speculative_method="ngram"` or `"draft"`, engine/speculation.py):
 before a step each eligible decoding request gets proposed tokens (the n-gram proposer's,
 or those the runner's draft model drew after the previous step and reported with its

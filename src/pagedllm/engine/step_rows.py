@@ -42,7 +42,8 @@ class StepRows:
     # it is the row whose grammar_row is i), None when no row has a grammar
     num_grammar_rows: int = 0
     grammar_bitmask: Any = None
-    # The prompt tokens the step scores (SamplingParams.prompt_logprobs), and whose
+    # The prompt tokens the step scores (SamplingParams.prompt_logprobs): row i for the
+    # request prompt_owners[i]
     prompt_rows: list[PromptLogprobsRow] = field(default_factory=list)
     prompt_owners: list[Request] = field(default_factory=list)
 

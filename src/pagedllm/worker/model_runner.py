@@ -8,7 +8,9 @@ generators of seeded samples (keyed by sequence id, dropped when the sequence en
 It computes as its RunnerOptions say (worker/options.py), never reading the engine's
 configuration. With a draft model (worker/draft_model.py) it checks the proposals the
 draft drew after the last step against the draft's distributions, and after drawing the
-step's tokens has the draft propose the next step's.
+step's tokens has the draft propose the next step's. The prompt positions a request
+scores (SamplingParams.prompt_logprobs) get their logits from the same forward, a few
+hundred at a time.
 """
 
 from __future__ import annotations
@@ -57,6 +59,21 @@ SCRATCH_BLOCK_SIZE = 16
 # Prompt positions whose logits are computed at once for prompt log-probabilities: 256 x
 # a 49,152-token vocabulary is 48 MiB of float32.
 PROMPT_LOGITS_ROWS = 256
+
+
+def prompt_positions(
+    query_lens: Sequence[int], prompt_rows: Sequence[PromptLogprobsRow]
+) -> torch.Tensor:
+    """The rows of a step's flat batch (sequence i's tokens are `query_lens[i]` rows on
+    from the previous ones') that the prompt rows score, row after row, on the host."""
+    offsets = torch.zeros(len(query_lens), dtype=torch.long)
+    torch.cumsum(torch.as_tensor(query_lens[:-1], dtype=torch.long), 0, out=offsets[1:])
+    seq_index = torch.tensor([r.seq_index for r in prompt_rows], dtype=torch.long)
+    counts = torch.tensor([len(r.target_ids) for r in prompt_rows], dtype=torch.long)
+    firsts = offsets[seq_index] + torch.tensor([r.first for r in prompt_rows], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(len(prompt_rows)), counts)
+    starts = torch.cumsum(counts, 0) - counts  # each row's first entry in the result
+    return firsts[owner] + torch.arange(owner.numel()) - starts[owner]
 
 
 class TorchModelRunner:
@@ -284,16 +301,7 @@ class TorchModelRunner:
         [chunk, vocab] logits at once. Under tensor parallelism every rank computes the
         same logits (their gathers pair up) and only rank 0, which holds the whole
         vocabulary's, scores them (the others return nothing)."""
-        offsets = torch.zeros(len(query_lens), dtype=torch.long)
-        torch.cumsum(torch.as_tensor(query_lens[:-1], dtype=torch.long), 0, out=offsets[1:])
-        seq_index = torch.tensor([r.seq_index for r in prompt_rows], dtype=torch.long)
-        counts = torch.tensor([len(r.target_ids) for r in prompt_rows], dtype=torch.long)
-        firsts = offsets[seq_index] + torch.tensor([r.first for r in prompt_rows])
-        # The hidden row of each scored position: row r's `counts[r]` rows from firsts[r].
-        owner = torch.repeat_interleave(torch.arange(len(prompt_rows)), counts)
-        ends = torch.cumsum(counts, 0)
-        positions = firsts[owner] + torch.arange(int(ends[-1])) - (ends - counts)[owner]
-        positions = positions.to(hidden.device)
+        positions = prompt_positions(query_lens, prompt_rows).to(hidden.device)
         targets = torch.tensor(
             list(itertools.chain.from_iterable(r.target_ids for r in prompt_rows)),
             dtype=torch.long,
@@ -320,8 +328,9 @@ class TorchModelRunner:
         ids_l = torch.cat(top_ids).tolist() if k else [[] for _ in range(n)]
         top_l = torch.cat(top_lp).tolist() if k else [[] for _ in range(n)]
         out = []
-        for r, end in zip(prompt_rows, ends.tolist(), strict=True):
-            a = end - len(r.target_ids)
+        end = 0
+        for r in prompt_rows:
+            a, end = end, end + len(r.target_ids)
             ids, tops = ids_l[a:end], top_l[a:end]
             if r.num_logprobs < k:
                 ids = [x[: r.num_logprobs] for x in ids]
