@@ -22,25 +22,28 @@ class Echo:
     tokenizer: Any
     prompt_only: bool  # max_tokens 0: the prompt, scored, and no generated token
     _echoed: set[int] = field(default_factory=set)  # choices whose prompt went out
+    # prompt position -> its token ids and scores, from the first output (the one that
+    # carries them)
+    _seen: dict[int, tuple[list[int], list[dict[int, float] | None] | None]] = field(
+        default_factory=dict
+    )
 
     def apply(self, d: Delta, out: RequestOutput, position: int) -> Delta:
         """`d` (a choice of the output of prompt `position`) with its prompt before it,
-        the first time its choice is seen (the output that carries the prompt)."""
+        the first time its choice is seen."""
+        if out.prompt_token_ids is not None:
+            self._seen.setdefault(position, (out.prompt_token_ids, out.prompt_logprobs))
         if d.index in self._echoed:
             return d
         self._echoed.add(d.index)
-        ids = out.prompt_token_ids or []
+        ids, scored = self._seen.get(position, ([], None))
         logprobs = None
         if d.logprobs is not None:
-            scored = out.prompt_logprobs or [None] * len(ids)
+            scored = scored or [None] * len(ids)
             logprobs = [*scored, *([] if self.prompt_only else d.logprobs)]
-        generated = Delta(d.index, "", [], [], d.finish_reason) if self.prompt_only else d
+        text, token_ids = ("", []) if self.prompt_only else (d.text, d.token_ids)
         return Delta(
-            d.index,
-            self._text(position, ids) + generated.text,
-            [*ids, *generated.token_ids],
-            logprobs,
-            d.finish_reason,
+            d.index, self._text(position, ids) + text, [*ids, *token_ids], logprobs, d.finish_reason
         )
 
     def _text(self, position: int, ids: list[int]) -> str:
