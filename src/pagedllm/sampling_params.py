@@ -240,6 +240,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # log-probabilities of the prompt's tokens (each with the `prompt_logprobs` most likely
+    # tokens at its position): RequestOutput.prompt_logprobs. The prompt is then computed
+    # whole, never taken from the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # token id -> value added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
@@ -293,8 +297,9 @@ class SamplingParams:
             max=self.max_tokens,
             allowed=f"an integer in [0, max_tokens={upper}]",
         )
-        if self.logprobs is not None:
-            check_int(self.logprobs, "logprobs", min=0, max=MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, min=0, max=MAX_LOGPROBS)
         stop = self.stop
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         _check(

@@ -33,6 +33,7 @@ import pagedllm.entrypoints.server.responses as r
 from pagedllm.engine.engine_client import EngineClient
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.chat_protocol import ChatCompletionRequest
+from pagedllm.entrypoints.server.echo import Echo
 from pagedllm.entrypoints.server.errors import from_invalid_param
 from pagedllm.entrypoints.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedllm.entrypoints.server.metrics import ServerMetrics
@@ -200,6 +201,11 @@ class Serving:
         s = await self.start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
         k = req.logprobs
         n = s.params.n
+        echo = Echo(req.prompts(), self.engine.tokenizer, req.scores_prompt_only)
+
+        def deltas(position: int, out: RequestOutput) -> list[Delta]:
+            found = choice_deltas(out, position * n)
+            return [echo.apply(d, out, position) for d in found] if req.echo else found
 
         def choice(d: Delta) -> dict[str, Any]:
             lps = self._completion_logprobs(d, k) if k is not None else None
@@ -211,12 +217,12 @@ class Serving:
             }
 
         def stream_choices(position: int, out: RequestOutput) -> Iterable[Choices]:
-            for d in choice_deltas(out, position * n):
+            for d in deltas(position, out):
                 if worth_sending(d, k):
                     yield [choice(d)]
 
         def final_choices(finals: list[RequestOutput]) -> Choices:
-            return [choice(d) for i, out in enumerate(finals) for d in choice_deltas(out, i * n)]
+            return [choice(d) for i, out in enumerate(finals) for d in deltas(i, out)]
 
         objects = ("text_completion", "text_completion")
         return await self._respond(s, req, raw, objects, stream_choices, final_choices)
@@ -239,9 +245,13 @@ class Serving:
         for token, top in zip(d.token_ids, d.logprobs or [], strict=False):
             s = self.token_str(token)
             out.tokens.append(s)
-            out.token_logprobs.append(top.get(token))
             out.text_offset.append(offset)
             offset += len(s)
+            if top is None:  # an echoed prompt's first token: nothing predicts it
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(top.get(token))
             best = sorted(top.items(), key=lambda kv: -kv[1])[:k]
             out.top_logprobs.append({self.token_str(t): lp for t, lp in best} if k else None)
         return r.dump(out)

@@ -224,7 +224,8 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    # per token; None for a prompt's first token (echo), which nothing predicts
+    logprobs: list[dict[int, float] | None] | None
     finish_reason: str | None
 
 
