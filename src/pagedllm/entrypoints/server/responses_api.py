@@ -122,8 +122,9 @@ class ResponseBuilder:
     def _reasoning_text(self, text: str) -> list[Event]:
         if not text:
             return []
-        events = []
-        if self._open is None or self._open["type"] != "reasoning":
+        events: list[Event] = []
+        item = self._open
+        if item is None or item["type"] != "reasoning":
             events += self._close("completed")
             item = {
                 "id": f"rs_{uuid.uuid4().hex}",
@@ -134,8 +135,7 @@ class ResponseBuilder:
             }
             events += self._add(item)
             item["content"].append({"type": "reasoning_text", "text": ""})
-        part = self._open["content"][0]
-        part["text"] += text
+        item["content"][0]["text"] += text
         return [*events, self.event("response.reasoning_text.delta", **self._in_text(), delta=text)]
 
     # ---------------------------------------------------------------- message items

@@ -38,7 +38,11 @@ from pagedllm.entrypoints.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.protocol import CompletionRequest
-from pagedllm.entrypoints.server.reasoning import ReasoningParser, ReasoningStream
+from pagedllm.entrypoints.server.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    reasoning_tokens,
+)
 from pagedllm.entrypoints.server.request_id import request_id
 from pagedllm.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.server.streaming import (
@@ -154,12 +158,12 @@ class Serving:
         return Started(rid, created, self.model_name, params, gen)
 
     def reasoning_tokens(self, token_ids: list[int]) -> int:
-        """How many of a chat output's tokens are reasoning (ReasoningParser.
-        reasoning_tokens); 0 without a reasoning parser, or on a vocabulary without the
-        think tokens, where the count is not known."""
+        """How many of an output's tokens are reasoning (reasoning.reasoning_tokens); 0
+        without a reasoning parser, or on a vocabulary without the think tokens, where
+        the count is not known."""
         if self.reasoning is None or self._think is None:
             return 0
-        return self.reasoning.reasoning_tokens(token_ids, self._think)
+        return reasoning_tokens(token_ids, self._think)
 
     def _after_reasoning(self, params: SamplingParams, field: str) -> SamplingParams:
         """Chat (and Responses API) params whose grammar (asked for by the request's
