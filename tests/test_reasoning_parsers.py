@@ -17,7 +17,11 @@ from hypothesis import strategies as st
 from pagedllm import LLM, StructuredOutputs
 from pagedllm.engine.grammars import Grammars
 from pagedllm.entrypoints.cli import build_parser
-from pagedllm.entrypoints.server.reasoning import REASONING_PARSERS, reasoning_parser
+from pagedllm.entrypoints.server.reasoning import (
+    REASONING_PARSERS,
+    reasoning_parser,
+    reasoning_tokens,
+)
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams, ThinkTokens
 
@@ -110,6 +114,24 @@ def test_think_tokens_from_the_vocabulary() -> None:
     assert QWEN3.think_tokens(tags) == ThinkTokens(end=9, start=7)
     assert R1.think_tokens(Vocab({"</think>": 9})) is None
     assert R1.think_tokens(None) is None
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "r1", "qwen3"),
+    [
+        ([1, 2, 9, 3], 3, 0),  # the template opened the block: through the end tag
+        ([7, 1, 9, 3, 9], 3, 3),  # from the start tag to the first end tag after it
+        ([1, 7, 2, 9, 3], 4, 3),  # answer text before the block is reasoning only for R1
+        ([1, 2, 3], 3, 0),  # never ended: all reasoning (R1); never opened: none (Qwen3)
+        ([1, 7, 2], 3, 2),  # opened and cut: to the output's end
+        ([9, 1], 1, 0),
+        ([], 0, 0),
+    ],
+)
+def test_reasoning_tokens(token_ids: list[int], r1: int, qwen3: int) -> None:
+    """Counted by the think tokens (<think> 7, </think> 9), tags included."""
+    assert reasoning_tokens(token_ids, ThinkTokens(end=9)) == r1
+    assert reasoning_tokens(token_ids, ThinkTokens(end=9, start=7)) == qwen3
 
 
 def test_parser_names(capsys: pytest.CaptureFixture[str]) -> None:

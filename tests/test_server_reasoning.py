@@ -5,7 +5,8 @@ reasons in random text, ends the block, and answers.
 
 The raw output is what /v1/completions gives for the same prompt tokens, seed and
 sampling: the chat answer must be exactly its split. With a grammar (response_format,
-a named tool) the reasoning is drawn freely and only the answer follows the grammar."""
+a named tool) the reasoning is drawn freely and only the answer follows the grammar.
+The Responses API gives the reasoning as a `reasoning` item before the answer's items."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
+from openai.types.responses import Response
+from pydantic import BaseModel, Field
 
 from hf_oracle import make_tiny_model
 from live_server import (
@@ -23,6 +27,7 @@ from live_server import (
     NAME,
     LiveServer,
     check_error,
+    event_models,
     post_raw,
     smollm2_tokenizer,
     start_server,
@@ -264,3 +269,186 @@ def test_completions_are_not_split(r1: LiveServer) -> None:
     _, end = tag_ids(r1)
     text = raw(r1, max_tokens=12, seed=3, logit_bias={str(end): 9}).choices[0].text
     assert "</think>" in text
+
+
+# ------------------------------------------------------------------ Responses API
+def respond(server: LiveServer, **body: Any) -> Any:
+    return server.client().responses.create(**{"model": NAME, "input": CHAT, **body})
+
+
+def respond_raw(server: LiveServer, **body: Any) -> tuple[Response, list[dict[str, Any]]]:
+    """The whole response and the stream's events as JSON, each validated against the
+    openai package's types (the client builds its objects without checking them)."""
+    body = {"model": NAME, "input": CHAT, **body}
+    url = server.url + "/v1/responses"
+    whole = httpx.post(url, json=body, timeout=120)
+    assert whole.status_code == 200, whole.text
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        lines = list(r.iter_lines())
+    events = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ")]
+    models = event_models()
+    for event in events:
+        models[event["type"]].model_validate(event)
+    return Response.model_validate(whole.json()), events
+
+
+def kinds(events: list[Any]) -> list[str]:
+    """The events' types, a run of deltas as one."""
+    types = [e["type"] if isinstance(e, dict) else e.type for e in events]
+    return [t for i, t in enumerate(types) if i == 0 or not (t == types[i - 1] and "delta" in t)]
+
+
+def items(response: Any) -> list[tuple[str, str]]:
+    """(type, text) of each output item: the reasoning's, the message's or the call's."""
+    out = []
+    for item in response.output:
+        if item.type == "function_call":
+            out.append((item.type, item.arguments))
+        else:
+            out.append((item.type, "".join(c.text for c in item.content or ())))
+    return out
+
+
+def test_responses_open_with_a_reasoning_item(r1: LiveServer) -> None:
+    _, end = tag_ids(r1)
+    sampling: dict[str, Any] = dict(seed=3, logit_bias={str(end): 9})
+    before, tag, after = raw(r1, max_tokens=24, **sampling).choices[0].text.partition("</think>")
+    assert tag and before and after.strip()
+    logprobs = chat(r1, max_tokens=24, logprobs=True, **sampling).choices[0].logprobs
+    tokens = [t.token for t in logprobs.content]
+    whole = respond(r1, max_output_tokens=24, extra_body=sampling)
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert reasoning.summary == [] and reasoning.status == "completed"
+    assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", before)]
+    # whitespace between the reasoning and the answer is dropped, as after a call
+    assert message.type == "message" and message.status == "incomplete"
+    assert whole.output_text == after.lstrip() and whole.status == "incomplete"
+    assert whole.usage.output_tokens == 24
+    # the reasoning's tokens: through the think-end token
+    assert whole.usage.output_tokens_details.reasoning_tokens == tokens.index("</think>") + 1 > 1
+    # Streamed: the reasoning item's events, then the message's; the same response.
+    events = list(respond(r1, max_output_tokens=24, stream=True, extra_body=sampling))
+    assert kinds(events) == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    added, done = events[2], next(e for e in events if e.type == "response.output_item.done")
+    assert added.item.type == "reasoning" and added.item.status == "in_progress"
+    deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
+    assert all(e.item_id == added.item.id and e.content_index == 0 for e in deltas)
+    assert "".join(e.delta for e in deltas) == before == done.item.content[0].text
+    final = events[-1].response
+    assert items(final) == items(whole) and final.usage == whole.usage
+    # The same, checked field by field against the openai types.
+    checked, raw_events = respond_raw(r1, max_output_tokens=24, **sampling)
+    assert items(checked) == items(whole) and kinds(raw_events) == kinds(events)
+    # Sent back as input, the reasoning item stays out of the prompt.
+    turn = [*CHAT, *[i.model_dump(exclude_none=True) for i in whole.output]]
+    more = {"role": "user", "content": "More?"}
+    again = respond(r1, input=[*turn, more], max_output_tokens=1)
+    history = [*CHAT, {"role": "assistant", "content": whole.output_text}, more]
+    prompt = encode_chat(r1.engine.tokenizer, history, True)
+    assert again.usage.input_tokens == len(prompt)
+    r1.assert_pool_whole()
+
+
+def test_responses_reasoning_without_an_answer(r1: LiveServer, qwen3: LiveServer) -> None:
+    """An output cut in its reasoning is one incomplete reasoning item, all its tokens
+    reasoning; an output without any is the message alone."""
+    _, end = tag_ids(r1)
+    sampling: dict[str, Any] = dict(seed=1, logit_bias={str(end): -100})
+    text = raw(r1, max_tokens=8, **sampling).choices[0].text
+    for response in (
+        respond(r1, max_output_tokens=8, extra_body=sampling),
+        list(respond(r1, max_output_tokens=8, stream=True, extra_body=sampling))[-1].response,
+    ):
+        assert items(response) == [("reasoning", text)] and response.output_text == ""
+        assert response.output[0].status == "incomplete" and response.status == "incomplete"
+        assert response.usage.output_tokens_details.reasoning_tokens == 8
+    start, _ = tag_ids(qwen3)
+    sampling = dict(seed=0, logit_bias={str(start): -100})
+    text = raw(qwen3, max_tokens=8, **sampling).choices[0].text
+    response = respond(qwen3, max_output_tokens=8, extra_body=sampling)
+    assert items(response) == [("message", text)]
+    assert response.usage.output_tokens_details.reasoning_tokens == 0
+
+
+class Verdict(BaseModel):
+    ok: bool
+    n: int = Field(ge=0)
+
+
+def test_responses_parse_reads_the_answer_after_the_reasoning(r1: LiveServer) -> None:
+    _, end = tag_ids(r1)
+    client = r1.client()
+    reasoned = 0
+    for seed in range(3):
+        options: dict[str, Any] = dict(
+            model=NAME,
+            input=CHAT,
+            max_output_tokens=60,
+            extra_body={"seed": seed, "logit_bias": {str(end): 9}},
+        )
+        parsed = client.responses.parse(text_format=Verdict, **options)
+        assert parsed.status == "completed", parsed.output
+        assert isinstance(parsed.output_parsed, Verdict)
+        assert parsed.output[-1].type == "message"
+        if parsed.output[0].type == "reasoning":
+            reasoned += 1
+            with pytest.raises(ValueError):  # random text, drawn before the grammar
+                json.loads(parsed.output[0].content[0].text)
+        with client.responses.stream(text_format=Verdict, **options) as stream:
+            final = stream.get_final_response()
+        assert final.output_parsed == parsed.output_parsed and items(final) == items(parsed)
+    assert reasoned >= 2
+    r1.assert_pool_whole()
+
+
+def test_responses_call_a_function_after_the_reasoning(r1: LiveServer) -> None:
+    _, end = tag_ids(r1)
+    bias = {str(end): 9}
+    tool = {"type": "function", **WEATHER["function"]}
+    named = respond(
+        r1,
+        tools=[tool],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=40,
+        extra_body={"seed": 1, "logit_bias": bias},
+    )
+    assert named.status == "completed"
+    reasoning, call = named.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Oslo")
+    # "auto": the call the answer writes is read back, streamed and whole alike.
+    body: dict[str, Any] = dict(
+        tools=[tool], max_output_tokens=60, seed=1, logit_bias=bias, guided_regex=HERMES_CALL
+    )
+    whole, events = respond_raw(r1, **body)
+    assert [t for t, _ in items(whole)] == ["reasoning", "function_call"]
+    assert whole.output[1].arguments == '{"city": "Oslo"}' and whole.status == "completed"
+    assert kinds(events)[2:-1] == [
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    final = Response.model_validate(events[-1]["response"])
+    assert items(final) == items(whole) and final.usage == whole.usage
+    r1.assert_pool_whole()

@@ -8,16 +8,15 @@ holds it to one."""
 from __future__ import annotations
 
 import json
-import typing
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response
 from pydantic import BaseModel, Field
 
-from live_server import NAME, LiveServer, check_error
+from live_server import NAME, LiveServer, check_error, event_models
 from pagedllm.entrypoints.server.chat_template import encode_chat
 
 HI = [{"role": "user", "content": "Hi there!"}]
@@ -82,13 +81,6 @@ def test_text_input_runs_as_one_user_message(server: LiveServer) -> None:
     assert r.completed_at is not None and r.completed_at >= r.created_at
     assert r.output_text == "Oslo" and r.output[0].status == "completed"
     server.assert_pool_whole()
-
-
-def event_models() -> dict[str, type[BaseModel]]:
-    """The openai package's model of each stream event, by its `type`."""
-    union = typing.get_args(ResponseStreamEvent)[0]
-    models = typing.get_args(union)
-    return {typing.get_args(m.model_fields["type"].annotation)[0]: m for m in models}
 
 
 def test_every_object_validates_against_the_openai_types(server: LiveServer) -> None:

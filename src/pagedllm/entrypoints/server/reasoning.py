@@ -15,11 +15,12 @@ tags that open and end the reasoning are in neither part. `split` takes a whole 
 `ReasoningStream` takes it in pieces and holds back text that may be the start of a tag,
 so that its pieces joined equal `split` of the whole (a part that is empty is None
 there). `think_tokens` gives the tags' token ids, with which the engine starts a grammar
-after the reasoning.
+after the reasoning, and `reasoning_tokens` counts an output's reasoning by them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,21 @@ class ReasoningStream:
         """What was held back, when the output ends: text of the part it was in."""
         held, self._held = self._held, ""
         return (held, "") if self._state in (_OPENING, _REASONING) else ("", held)
+
+
+def reasoning_tokens(token_ids: Sequence[int], think: ThinkTokens) -> int:
+    """How many of an output's tokens are its reasoning, tags included: from where the
+    reasoning opens (the output's start, or with `think.start` set, as for a parser whose
+    output starts in the answer, its first think-start token) up to and including the
+    first think-end token after that, or to the output's end when the block never ends."""
+    ids = list(token_ids)
+    first = 0
+    if think.start is not None:
+        if think.start not in ids:
+            return 0
+        first = ids.index(think.start)
+    last = ids.index(think.end, first) + 1 if think.end in ids[first:] else len(ids)
+    return last - first
 
 
 # The tags each state looks for: `</think>` ends reasoning, `<think>` opens it.

@@ -2,19 +2,24 @@
 path, answered as one `response` object or, with `stream: true`, as Server-Sent Events
 (`event: <type>` and `data: {...}` with its `sequence_number`).
 
-`ResponseBuilder` turns the generated text into output items as it arrives: a `message`
-item (one `output_text` part) for text, a `function_call` item for each tool call (read
-from the text as the chat endpoint reads it, tool_stream.py), and gives the events of
-each step: `response.created`, `response.in_progress`, then per item
-`response.output_item.added`, `response.content_part.added`,
-`response.output_text.delta`..., `response.output_text.done`,
-`response.content_part.done` and `response.output_item.done` (for a call,
-`response.function_call_arguments.delta`... and `.done`), and last `response.completed`
-(or `response.incomplete`). A whole response runs the same builder over the whole text
-and keeps the object, so a stream and a whole response always agree.
+`ResponseBuilder` turns the generated text into output items as it arrives: with a
+reasoning parser (`--reasoning-parser`, reasoning.py) a `reasoning` item (one
+`reasoning_text` part) for the reasoning; for the answer, a `message` item (one
+`output_text` part) for text and a `function_call` item for each tool call (read from the
+answer as the chat endpoint reads it, tool_stream.py). It gives the events of each step:
+`response.created`, `response.in_progress`, then per item `response.output_item.added`,
+`response.content_part.added`, `response.output_text.delta`...,
+`response.output_text.done`, `response.content_part.done` and
+`response.output_item.done` (for a call, `response.function_call_arguments.delta`... and
+`.done`; for reasoning, `response.reasoning_text.delta`... and `.done`, as vLLM sends
+them), and last `response.completed` (or `response.incomplete`). A whole response runs the
+same builder over the whole text and keeps the object, so a stream and a whole response
+always agree. `output_tokens_details.reasoning_tokens` counts the reasoning's tokens, its
+think tags included (Serving.reasoning_tokens).
 
 A message item opens at the first text that is not only whitespace, and whitespace after
-a call is dropped. A response cut by `max_output_tokens` is "incomplete" (with
+another item (a call, the reasoning) is dropped. An output that is only reasoning has no
+message item. A response cut by `max_output_tokens` is "incomplete" (with
 `incomplete_details.reason` "max_output_tokens"), and so is the item it cut. A request the
 engine fails mid-stream ends with an `error` event.
 """
@@ -33,6 +38,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.errors import APIError
+from pagedllm.entrypoints.server.reasoning import ReasoningStream
 from pagedllm.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.server.serving import Serving, Started
 from pagedllm.entrypoints.server.streaming import choice_deltas, collect, sse_response
@@ -45,9 +51,15 @@ class ResponseBuilder:
     """The output items of one response, built from its text; each step returns its
     stream events."""
 
-    def __init__(self, response: dict[str, Any], calls: ToolCallStream | None) -> None:
+    def __init__(
+        self,
+        response: dict[str, Any],
+        calls: ToolCallStream | None,
+        reasoning: ReasoningStream | None = None,
+    ) -> None:
         self.response = response  # its `output` grows as items open
-        self.calls = calls  # None: no tools, the text is all message
+        self.calls = calls  # None: no tools, the answer is all message
+        self.reasoning = reasoning  # None: no reasoning parser, the text is all answer
         self._numbers = itertools.count()
         self._open: dict[str, Any] | None = None  # the item still growing
         self._pending = ""  # whitespace that may yet open a message
@@ -64,15 +76,23 @@ class ResponseBuilder:
 
     def feed(self, text: str) -> list[Event]:
         """The events of newly generated text."""
-        # Where a reasoning parser splits off the model's reasoning, its text would open a
-        # `reasoning` item here, before the answer's items.
+        if self.reasoning is None:
+            return self._answer(text)
+        return self._split(*self.reasoning.feed(text))
+
+    def _split(self, reasoning: str, answer: str) -> list[Event]:
+        return self._reasoning_text(reasoning) + self._answer(answer)
+
+    def _answer(self, text: str) -> list[Event]:
         if self.calls is None:
             return self._text(text)
         return self._steps(self.calls.feed_in_order(text))
 
     def finish(self, reason: str | None, usage: dict[str, Any]) -> list[Event]:
         """The events of the end: `reason` is the choice's finish reason."""
-        events = self._steps(self.calls.finish_in_order()) if self.calls is not None else []
+        events = self._split(*self.reasoning.finish()) if self.reasoning is not None else []
+        if self.calls is not None:
+            events += self._steps(self.calls.finish_in_order())
         if not self.response["output"]:  # no item yet: the answer is a message, maybe empty
             events += self._open_message(self._pending)
         incomplete = reason == "length"
@@ -97,6 +117,26 @@ class ResponseBuilder:
             else:
                 events += self._arguments(step["function"]["arguments"])
         return events
+
+    # -------------------------------------------------------------- reasoning items
+    def _reasoning_text(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        events: list[Event] = []
+        item = self._open
+        if item is None or item["type"] != "reasoning":
+            events += self._close("completed")
+            item = {
+                "id": f"rs_{uuid.uuid4().hex}",
+                "type": "reasoning",
+                "summary": [],
+                "content": [],
+                "status": "in_progress",
+            }
+            events += self._add(item)
+            item["content"].append({"type": "reasoning_text", "text": ""})
+        item["content"][0]["text"] += text
+        return [*events, self.event("response.reasoning_text.delta", **self._in_text(), delta=text)]
 
     # ---------------------------------------------------------------- message items
     def _text(self, text: str) -> list[Event]:
@@ -172,7 +212,7 @@ class ResponseBuilder:
         return {"item_id": self._open["id"], "output_index": len(self.response["output"]) - 1}
 
     def _in_text(self) -> dict[str, Any]:
-        """The open message's one `output_text` part, as its events name it."""
+        """The open message's or reasoning's one text part, as its events name it."""
         return {**self._where(), "content_index": 0}
 
     def _close(self, status: str) -> list[Event]:
@@ -188,6 +228,10 @@ class ResponseBuilder:
                 self.event("response.output_text.done", **at, text=part["text"], logprobs=[])
             )
             events.append(self.event("response.content_part.done", **at, part=copy.deepcopy(part)))
+        elif item["type"] == "reasoning":
+            at = self._in_text()
+            text = item["content"][0]["text"]
+            events.append(self.event("response.reasoning_text.done", **at, text=text))
         else:
             events.append(
                 self.event(
@@ -203,15 +247,14 @@ class ResponseBuilder:
         return events
 
 
-def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+def _usage(usage: dict[str, Any], reasoning_tokens: int) -> dict[str, Any]:
     """Chat's usage (streaming.Generation.usage) in the Responses API's names."""
     return {
         "input_tokens": usage["prompt_tokens"],
         # no cache write is asked for or billed here (OpenAI's prompt_cache_options)
         "input_tokens_details": {**usage["prompt_tokens_details"], "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
-        # reasoning tokens are counted here once a reasoning parser splits them off
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage["total_tokens"],
     }
 
@@ -256,16 +299,22 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
     s = await serving.start(req, raw, "resp", encode)
     use = req.tool_use()
     calls = ToolCallStream(use, serving.parser_factory) if use is not None else None
-    builder = ResponseBuilder(_response(req, s), calls)
+    thinking = serving.reasoning.stream() if serving.reasoning is not None else None
+    builder = ResponseBuilder(_response(req, s), calls, thinking)
+    token_ids: list[int] = []  # the output's, for its reasoning token count
+
+    def usage() -> dict[str, Any]:
+        return _usage(s.gen.usage(), serving.reasoning_tokens(token_ids))
 
     if req.stream:
 
         def events(_: int, out: RequestOutput) -> list[Event]:
             events: list[Event] = []
             for d in choice_deltas(out):
+                token_ids.extend(d.token_ids)
                 events += builder.feed(d.text)
                 if d.finish_reason is not None:
-                    events += builder.finish(d.finish_reason, _usage(s.gen.usage()))
+                    events += builder.finish(d.finish_reason, usage())
             return events
 
         def failed(error: APIError) -> Event:
@@ -283,6 +332,7 @@ async def create_response(serving: Serving, req: ResponsesRequest, raw: Request)
         )
     (final,) = await collect(raw, s.gen)
     (d,) = choice_deltas(final)
+    token_ids.extend(d.token_ids)
     builder.feed(d.text)
-    builder.finish(d.finish_reason, _usage(s.gen.usage()))
+    builder.finish(d.finish_reason, usage())
     return JSONResponse(builder.response)

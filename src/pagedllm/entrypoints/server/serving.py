@@ -39,7 +39,11 @@ from pagedllm.entrypoints.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.protocol import CompletionRequest
-from pagedllm.entrypoints.server.reasoning import ReasoningParser, ReasoningStream
+from pagedllm.entrypoints.server.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    reasoning_tokens,
+)
 from pagedllm.entrypoints.server.request_id import request_id
 from pagedllm.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.server.streaming import (
@@ -140,7 +144,7 @@ class Serving:
             prompts = await encode()
             structured = req.structured()
             field = structured.field if structured is not None else None
-            if field is not None and isinstance(req, ChatCompletionRequest):
+            if field is not None and not isinstance(req, CompletionRequest):
                 params = self._after_reasoning(params, field)
             gen = await submit(
                 self.engine, self.metrics, rid, prompts, params, arrival, client_id, field
@@ -154,10 +158,19 @@ class Serving:
         )
         return Started(rid, created, self.model_name, params, gen)
 
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        """How many of an output's tokens are reasoning (reasoning.reasoning_tokens); 0
+        without a reasoning parser, or on a vocabulary without the think tokens, where
+        the count is not known."""
+        if self.reasoning is None or self._think is None:
+            return 0
+        return reasoning_tokens(token_ids, self._think)
+
     def _after_reasoning(self, params: SamplingParams, field: str) -> SamplingParams:
-        """Chat params whose grammar (asked for by the request's `field`) starts after
-        the reasoning, when the server splits reasoning; InvalidParameterError naming
-        `field` when the model's vocabulary cannot show where the reasoning ends."""
+        """Chat (and Responses API) params whose grammar (asked for by the request's
+        `field`) starts after the reasoning, when the server splits reasoning;
+        InvalidParameterError naming `field` when the model's vocabulary cannot show where
+        the reasoning ends."""
         if self.reasoning is None:
             return params
         if self._think is None:
