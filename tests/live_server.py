@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from openai.types.responses import ResponseStreamEvent
+from pydantic import BaseModel
 
 from hf_oracle import make_tiny_model
 from pagedllm.engine.async_engine import AsyncLLMEngine
@@ -34,18 +37,25 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 _built: dict[str, Path] = {}
 
 
-def build_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with SmolLM2's real tokenizer and chat template (built once)."""
-    if "chat" in _built:
-        return _built["chat"]
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's real tokenizer and chat template, from the packaged model (the test is
+    skipped without it)."""
     try:
         gguf = default_model_path()
     except ModelLoadError as exc:
         pytest.skip(str(exc))
     from pagedllm.loader.tokenizer import load_gguf_tokenizer
 
+    return load_gguf_tokenizer(gguf, None)
+
+
+def build_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template (built once)."""
+    if "chat" in _built:
+        return _built["chat"]
+    tokenizer = smollm2_tokenizer()
     path = make_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "llama", vocab_size=49152)
-    load_gguf_tokenizer(gguf, None).save_pretrained(path)
+    tokenizer.save_pretrained(path)
     _built["chat"] = path
     return path
 
@@ -133,3 +143,10 @@ def check_error(
 def post_raw(url: str, body: str | bytes) -> httpx.Response:
     """POST a body exactly as given (e.g. JSON that Python's json module would not write)."""
     return httpx.post(url, content=body, headers={"content-type": "application/json"})
+
+
+def event_models() -> dict[str, type[BaseModel]]:
+    """The openai package's model of each Responses API stream event, by its `type`."""
+    union = typing.get_args(ResponseStreamEvent)[0]
+    models = typing.get_args(union)
+    return {typing.get_args(m.model_fields["type"].annotation)[0]: m for m in models}

@@ -158,12 +158,13 @@ def test_failed_step_fails_its_requests_and_the_loop_serves_on(make_engine, monk
     real_execute = runner.execute
     failed = []
 
-    def execute(step, rows, grammar_bitmask=None):  # the model fails mid-decode of the victim
+    # the model fails mid-decode of the victim
+    def execute(step, rows, grammar_bitmask=None, prompt_rows=()):
         victim = engine.engine.scheduler.requests.get("victim")
         if not failed and victim is not None and victim.seqs[0].num_output_tokens >= 3:
             failed.append(True)
             raise RuntimeError("CUDA error: device-side assert")
-        return real_execute(step, rows, grammar_bitmask)
+        return real_execute(step, rows, grammar_bitmask, prompt_rows)
 
     monkeypatch.setattr(runner, "execute", execute)
 

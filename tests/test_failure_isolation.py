@@ -163,11 +163,13 @@ def test_a_failed_forward_pass_fails_that_steps_requests_once(
     failures: list[tuple[str, ...]] = []
     fourth_step = engine.num_steps + 4
 
-    def failing_execute(step: Any, rows: Any, grammar_bitmask: Any = None) -> Any:
+    def failing_execute(
+        step: Any, rows: Any, grammar_bitmask: Any = None, prompt_rows: Any = ()
+    ) -> Any:
         if not failures and engine.num_steps == fourth_step:
             failures.append(step.request_ids)
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return execute(step, rows, grammar_bitmask)
+        return execute(step, rows, grammar_bitmask, prompt_rows)
 
     monkeypatch.setattr(runner, "execute", failing_execute)
     finals = run(llm, ["victim", "parallel"])

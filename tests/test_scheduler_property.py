@@ -4,7 +4,9 @@
 Random arrivals (some sharing prompt prefixes), lengths, parallel sampling and best_of
 (forks and copy-on-write), beam searches (forks and dropped beams), EOS, aborts and
 preemptions under a tiny pool, with and without speculative decoding (the fake runner
-keeps a deterministic share of the n-gram proposals, from none to all). After every
+keeps a deterministic share of the n-gram proposals, from none to all), and requests
+that score their prompt (prompt_logprobs: no prefix-cache hit, every prompt token scored
+in every output, through preemptions). After every
 step: every block is free or referenced, each reference count equals the number of
 block-table entries pointing at it, used + free = total, every table covers its tokens;
 at the end the pool is whole. At every step the runner's copies of the block tables, kept
@@ -38,7 +40,7 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.batch_tables import BatchTables, ListTableStore
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
+from pagedllm.worker.runner import ModelSpec, PromptLogprobsRow, SampledTokens, SampleRow
 
 VOCAB = 50
 EOS = 0
@@ -62,12 +64,16 @@ class CountingRunner(FakeModelRunner):
         self.input_batch: InputBatch | None = None
 
     def execute(
-        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: object = None
+        self,
+        step: SchedulerOutput,
+        rows: Sequence[SampleRow],
+        grammar_bitmask: object = None,
+        prompt_rows: Sequence[PromptLogprobsRow] = (),
     ) -> SampledTokens:
         self.copies += len(step.blocks_to_copy)
         self.whole_tables += sum(s.replaces_tables for s in step.seqs)
         self.appended_tables += sum(not s.replaces_tables for s in step.seqs)
-        sampled = super().execute(step, rows, grammar_bitmask)
+        sampled = super().execute(step, rows, grammar_bitmask, prompt_rows)
         if self.input_batch is None:  # tables as small as can be: the runs make them grow
             self.input_batch = InputBatch(self.tables.num_groups, rows=1, entries=1)
         gathered = self.input_batch.step_tables(step)
@@ -173,7 +179,12 @@ def random_params(rng: random.Random) -> SamplingParams | BeamSearchParams:
     n = rng.choice([1, 1, 1, 2, 3])
     best_of = n + 1 if kind < 0.25 else None
     return SamplingParams(
-        n=n, best_of=best_of, max_tokens=max_tokens, ignore_eos=rng.random() < 0.5
+        n=n,
+        best_of=best_of,
+        max_tokens=max_tokens,
+        ignore_eos=rng.random() < 0.5,
+        # computes its whole prompt: no prefix-cache hit
+        prompt_logprobs=rng.choice([None, None, None, 0, 2]),
     )
 
 
@@ -215,16 +226,28 @@ def simulate(
     runner.kv = engine.kv
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(3)]
     next_id = 0
+    scored: dict[str, bool] = {}  # request id -> whether it asked for prompt_logprobs
     for _ in range(steps):
         if rng.random() < 0.5:
             prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 6))]
             # A request that could never fit this pool is rejected up front, holding nothing.
+            params = random_params(rng)
             with contextlib.suppress(InvalidParameterError):
-                engine.add_request(f"r{next_id}", prompt, random_params(rng))
+                engine.add_request(f"r{next_id}", prompt, params)
+            scored[f"r{next_id}"] = getattr(params, "prompt_logprobs", None) is not None
             next_id += 1
         if engine.scheduler.requests and rng.random() < 0.05:
             engine.abort(rng.choice(list(engine.scheduler.requests)))
-        engine.step()
+        for out in engine.step():
+            # A request that asked for its prompt's scores has them all, whatever hit the
+            # prefix cache or was preempted (every output carries the prompt: CUMULATIVE).
+            assert out.error is None
+            if scored.get(out.request_id):
+                assert out.prompt_logprobs is not None and out.prompt_token_ids is not None
+                assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+                assert out.prompt_logprobs[0] is None and all(out.prompt_logprobs[1:])
+            else:
+                assert out.prompt_logprobs is None
         check_invariants(engine.scheduler)
         assert not runner.mismatches
     for rid in list(engine.scheduler.requests):

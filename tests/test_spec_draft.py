@@ -143,8 +143,8 @@ def test_a_step_checks_the_proposals_drawn_after_the_step_before(
     execute = engine.runner.execute
     seen: list = []
 
-    def recording(step, rows, grammar_bitmask=None):
-        sampled = execute(step, rows, grammar_bitmask)
+    def recording(step, rows, grammar_bitmask=None, prompt_rows=()):
+        sampled = execute(step, rows, grammar_bitmask, prompt_rows)
         seen.append((step, list(rows), sampled))
         return sampled
 

@@ -282,9 +282,9 @@ def test_the_runner_gets_plain_rows_and_one_reused_bitmask(
     execute = engine.runner.execute
     seen: list[tuple[list[int], Any]] = []
 
-    def recording(step: Any, rows: Any, grammar_bitmask: Any = None) -> Any:
+    def recording(step: Any, rows: Any, grammar_bitmask: Any = None, prompt_rows: Any = ()) -> Any:
         rows = pickle.loads(pickle.dumps(list(rows)))
-        sampled = execute(step, rows, grammar_bitmask)
+        sampled = execute(step, rows, grammar_bitmask, prompt_rows)
         grammar_rows = [r.grammar_row for r in rows]
         for i, m in enumerate(grammar_rows):
             if m >= 0:

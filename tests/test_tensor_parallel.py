@@ -1,8 +1,9 @@
 """Tensor parallelism over gloo on this CPU: a tiny random Llama split over 2 ranks gives
 the single-device engine's tokens (greedy, parallel sampling, beams, preemption, prefix
-caching, copy-on-write, under the async engine) and its logits within 1e-4; start-up
-errors name their cause; a killed worker fails the engine without a hang; two processes
-started by torchrun on loopback serve one engine."""
+caching, copy-on-write, under the async engine) and its logits and prompt
+log-probabilities within 1e-4; start-up errors name their cause; a killed worker fails
+the engine without a hang; two processes started by torchrun on loopback serve one
+engine."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ from pagedllm.entrypoints.cli import main
 from pagedllm.errors import InvalidParameterError, TensorParallelError
 from pagedllm.loader import load_model
 from pagedllm.model.sharding import check_tensor_parallel, shard_config, shard_weights
-from pagedllm.worker.runner import SampledTokens, SampleRow
+from pagedllm.worker.runner import PromptLogprobsRow, SampledTokens, SampleRow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [list(range(3, 3 + n)) for n in (4, 19, 33)] + [[100, 7, 9, 11, 2]]
@@ -94,6 +95,21 @@ def test_greedy_tokens_and_logits_equal_one_rank(pair: tuple[LLM, LLM]) -> None:
     assert_pool_whole(split)
 
 
+def test_prompt_logprobs_equal_one_rank(pair: tuple[LLM, LLM]) -> None:
+    """Every rank computes the scored positions' logits (their gathers pair up); the
+    driver's values are the single device's."""
+    split, whole = pair
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    mine, theirs = (llm.generate(prompts, params, use_tqdm=False) for llm in (split, whole))
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for got, want in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert set(got) == set(want)
+            assert max(abs(got[t] - want[t]) for t in want) < 1e-4
+    assert_pool_whole(split)
+
+
 def test_sampling_and_beam_search_equal_one_rank(pair: tuple[LLM, LLM]) -> None:
     split, whole = pair
     sampled = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
@@ -130,10 +146,13 @@ def test_preemption_prefix_caching_and_copy_on_write(
     execute = split.engine.runner.execute
 
     def recording(
-        step: SchedulerOutput, rows: list[SampleRow], grammar_bitmask: object = None
+        step: SchedulerOutput,
+        rows: list[SampleRow],
+        grammar_bitmask: object = None,
+        prompt_rows: Sequence[PromptLogprobsRow] = (),
     ) -> SampledTokens:
         copies.extend(step.blocks_to_copy)
-        return execute(step, rows, grammar_bitmask)
+        return execute(step, rows, grammar_bitmask, prompt_rows)
 
     monkeypatch.setattr(split.engine.runner, "execute", recording)
     shared = list(range(40, 60))  # two full blocks every prompt starts with

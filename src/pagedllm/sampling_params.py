@@ -202,6 +202,26 @@ def _without_annotations(schema: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class ThinkTokens:
+    """The tokens a thinking model's reasoning block opens and ends with: a grammar
+    (`structured_outputs`) holds only the answer after `end`. `start` None: the output
+    opens in reasoning (the chat template opened the block); else the output reasons
+    only if its first token is `start`, and is the answer at once otherwise."""
+
+    end: int
+    start: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(is_int(self.end) and self.end >= 0, "think_tokens.end", "a token id >= 0", self.end)
+        _check(
+            self.start is None or (is_int(self.start) and self.start >= 0),
+            "think_tokens.start",
+            "a token id >= 0 or None",
+            self.start,
+        )
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     best_of: int | None = None
@@ -220,11 +240,18 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # log-probabilities of the prompt's tokens (each with the `prompt_logprobs` most likely
+    # tokens at its position): RequestOutput.prompt_logprobs. The prompt is then computed
+    # whole, never taken from the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # token id -> value added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
     # output that follows a grammar (a JSON schema, a regex, ...); None: free text
     structured_outputs: StructuredOutputs | None = None
+    # where a thinking model's reasoning ends: the grammar of structured_outputs starts
+    # after it (None: the grammar holds the whole output)
+    think_tokens: ThinkTokens | None = None
     # what each output carries: everything so far (the default), only what is new, or
     # nothing until the request ends (engine/output_processor.py says how each is built)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -270,8 +297,9 @@ class SamplingParams:
             max=self.max_tokens,
             allowed=f"an integer in [0, max_tokens={upper}]",
         )
-        if self.logprobs is not None:
-            check_int(self.logprobs, "logprobs", min=0, max=MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, min=0, max=MAX_LOGPROBS)
         stop = self.stop
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         _check(
@@ -315,6 +343,12 @@ class SamplingParams:
             "structured_outputs",
             "a StructuredOutputs (or a dict of its fields) or None",
             so,
+        )
+        _check(
+            self.think_tokens is None or isinstance(self.think_tokens, ThinkTokens),
+            "think_tokens",
+            "a ThinkTokens or None",
+            self.think_tokens,
         )
         _check_output_kind(self.output_kind)
 

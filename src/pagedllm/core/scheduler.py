@@ -346,7 +346,11 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> int:
         """Allocate a waiting request's first chunk; the chunk size, or 0 if it must wait."""
         k = len(req.seqs)
-        hits = self.kv.lookup_prefix([s.token_ids for s in req.seqs])
+        # Prompt log-probabilities need the logits of every prompt position: such a
+        # request computes its prompt whole (its blocks still join the cache).
+        hits = self.kv.lookup_prefix(
+            [s.token_ids for s in req.seqs], use_cache=not req.computes_prompt_logprobs
+        )
         num_cached = hits[0].num_blocks * self.kv.block_size
         chunk = min(req.num_tokens - num_cached, budget // k)
         if chunk <= 0:

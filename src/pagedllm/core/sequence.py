@@ -66,13 +66,30 @@ class Request:
     # also claims, from free blocks only, for a draft model to write the proposals it
     # draws after that step (set by the engine; 0: none).
     num_lookahead_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt token, its log-probability and the
+    # most likely tokens at its position (None for the first, which nothing predicts),
+    # filled chunk by chunk as the prompt is computed.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.seqs[0].num_tokens
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens still lack their log-probabilities: the prompt is then
+        computed whole, not taken from the prefix cache."""
+        return self.wants_prompt_logprobs and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its params ask for the prompt's log-probabilities."""
+        return isinstance(self.params, SamplingParams) and self.params.prompt_logprobs is not None
 
     def __post_init__(self) -> None:
         # The first sequence: it holds the prompt, whatever becomes of the samples.
         self.prompt_seq = self.seqs[0]
         # Copied once: every output that carries the prompt hands out this same list.
         self.prompt_token_ids = self.prompt_seq.token_ids[: self.prompt_seq.num_prompt_tokens]
+        if self.wants_prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]

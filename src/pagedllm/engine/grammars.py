@@ -7,6 +7,10 @@ sequence that follows a grammar, by sequence id.
 A matcher advances with each token the engine accepts, so it survives preemption by
 recompute (the accepted tokens stay) and is forked with a parallel sample. A token the
 grammar rejects raises GrammarError: the engine fails that request alone.
+A thinking model's grammar may wait for its reasoning to end (SamplingParams.think_tokens,
+vLLM's rule): the sequence draws freely until its think-end token, and the grammar holds
+the tokens after it. When the output may open with a think-start token instead of the
+answer, its first token is the grammar's or that token.
 Each step the matchers of the step's grammar rows write the tokens they allow into one
 int32 bitmask (pagedllm/structured/bitmask.py), allocated at the first grammar row and
 reused after: the runner gets that plain tensor, never a matcher.
@@ -16,15 +20,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Set
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.errors import GrammarError, InvalidParameterError
-from pagedllm.sampling_params import StructuredOutputs
+from pagedllm.sampling_params import StructuredOutputs, ThinkTokens
 
 if TYPE_CHECKING:
     from pagedllm.core.sequence import Sequence
     from pagedllm.structured.bitmask import StepBitmask
     from pagedllm.structured.grammar import GrammarCompiler, GrammarState
+
+
+@dataclass
+class _Waiting:
+    """A grammar that starts after the reasoning: `start` is the think-start token
+    while the first token may still open reasoning, None once it is reasoning."""
+
+    state: GrammarState
+    end: int
+    start: int | None
 
 
 class Grammars:
@@ -39,6 +54,7 @@ class Grammars:
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()  # the compiler is built once, by whichever thread
         self._states: dict[int, GrammarState] = {}  # sequence id -> its matcher
+        self._waiting: dict[int, _Waiting] = {}  # ... before its reasoning has ended
         self._bitmask: StepBitmask | None = None  # built at the first grammar row
 
     @property
@@ -75,22 +91,39 @@ class Grammars:
             if self._compiler is not None:
                 self._compiler.close()
 
-    def add(self, seq_id: int, state: GrammarState) -> None:
-        self._states[seq_id] = state
+    def add(self, seq_id: int, state: GrammarState, think: ThinkTokens | None = None) -> None:
+        """The sequence follows `state`'s grammar: from its first token, or after its
+        reasoning (`think`)."""
+        if think is None:
+            self._states[seq_id] = state
+        else:
+            self._waiting[seq_id] = _Waiting(state, think.end, think.start)
 
     def get(self, seq_id: int) -> GrammarState | None:
-        return self._states.get(seq_id)
+        """The matcher that masks the sequence's next token, if one does."""
+        state = self._states.get(seq_id)
+        if state is None and (waiting := self._waiting.get(seq_id)) and waiting.start is not None:
+            return waiting.state
+        return state
+
+    def follows(self, seq_id: int) -> bool:
+        """Whether the sequence has a grammar, started or waiting for its reasoning."""
+        return seq_id in self._states or seq_id in self._waiting
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child sample follows the parent's grammar from the parent's place."""
         state = self._states.get(parent_id)
         if state is not None:
             self._states[child_id] = state.fork()
+        waiting = self._waiting.get(parent_id)
+        if waiting is not None:
+            self._waiting[child_id] = _Waiting(waiting.state.fork(), waiting.end, waiting.start)
 
     def fill_bitmask(self, seq_id: int, row: int) -> None:
         """Row `row` of the step's bitmask gets the tokens the sequence's grammar allows
-        next."""
-        state = self._states[seq_id]
+        next (and the think-start token, while the first token may open reasoning)."""
+        state = self.get(seq_id)
+        assert state is not None, "fill_bitmask of a sequence that get() gives no matcher"
         if self._bitmask is None:
             from pagedllm.structured.bitmask import StepBitmask
 
@@ -99,6 +132,9 @@ class Grammars:
             self._bitmask.fill(row, state)
         except Exception as exc:
             raise GrammarError(f"the grammar's matcher failed: {exc}") from exc
+        waiting = self._waiting.get(seq_id)
+        if waiting is not None and waiting.start is not None:
+            self._bitmask.allow(row, waiting.start)
 
     @property
     def bitmask(self) -> Any:
@@ -107,10 +143,23 @@ class Grammars:
         return self._bitmask.tensor if self._bitmask is not None else None
 
     def accept(self, seq_id: int, token_id: int) -> None:
-        """Advance the sequence's matcher (if it has one) by its new token."""
+        """Advance the sequence's matcher (if it has one) by its new token; a grammar
+        waiting for the reasoning starts after its end token, or at once when the first
+        token does not open reasoning."""
         state = self._states.get(seq_id)
         if state is None:
-            return
+            waiting = self._waiting.get(seq_id)
+            if waiting is None:
+                return
+            if waiting.start is None:  # in the reasoning
+                if token_id == waiting.end:
+                    self._states[seq_id] = self._waiting.pop(seq_id).state
+                return
+            if token_id == waiting.start:  # the first token opens reasoning
+                waiting.start = None
+                return
+            # the first token is the answer's: the grammar holds it
+            state = self._states[seq_id] = self._waiting.pop(seq_id).state
         try:
             accepted = state.accept(token_id)
         except Exception as exc:
@@ -125,6 +174,7 @@ class Grammars:
     def forget(self, seqs: Iterable[Sequence]) -> None:
         for seq in seqs:
             self._states.pop(seq.seq_id, None)
+            self._waiting.pop(seq.seq_id, None)
 
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._states) + len(self._waiting)

@@ -20,6 +20,11 @@ fails only the requests of that step. A failed request is aborted (its blocks fr
 comes back as a finished RequestOutput with `error` set; the others go on as they would
 have.
 
+Prompt log-probabilities (SamplingParams.prompt_logprobs): each step that computes a
+chunk of such a request's prompt has the runner score the prompt tokens it predicts
+(a PromptLogprobsRow, engine/step_rows.py); they are kept on the request and given with
+the prompt in its outputs.
+
 Speculative decoding (`speculative_method="ngram"` or `"draft"`, engine/speculation.py):
 before a step each eligible decoding request gets proposed tokens (the n-gram proposer's,
 or those the runner's draft model drew after the previous step and reported with its
@@ -66,7 +71,12 @@ from pagedllm.engine.step_rows import (
 )
 from pagedllm.kv.manager import KVUsage
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
-from pagedllm.worker.runner import ModelRunner, SampledTokens
+from pagedllm.worker.runner import (
+    ModelRunner,
+    PromptLogprobs,
+    PromptLogprobsRow,
+    SampledTokens,
+)
 
 if TYPE_CHECKING:
     from pagedllm.engine.kv_event_publisher import KVEventPublisher
@@ -167,7 +177,8 @@ class LLMEngine:
             grammar = self.grammars.compile(spec)
         seq = self.scheduler.new_seq(checked.prompt_ids)
         if grammar is not None:
-            self.grammars.add(seq.seq_id, self.grammars.start(grammar))
+            think = params.think_tokens if isinstance(params, SamplingParams) else None
+            self.grammars.add(seq.seq_id, self.grammars.start(grammar), think)
         request = Request(
             request_id=request_id,
             seqs=[seq],
@@ -301,7 +312,7 @@ class LLMEngine:
         self.num_steps += 1
         rows, failed = self.rows.rows_of(step)
         try:
-            sampled = self.runner.execute(step, rows.rows, rows.grammar_bitmask)
+            sampled = self.runner.execute(step, rows.rows, rows.grammar_bitmask, rows.prompt_rows)
         except Exception as exc:
             return self._forward_failed(step, rows, exc)
         accepted: dict[str, list[int]] = {}
@@ -345,6 +356,14 @@ class LLMEngine:
         """Each request's tokens, one request at a time: what raises fails its own."""
         now = time.time()
         touched: list[Request] = []
+        for req, row, scored in zip(
+            rows.prompt_owners, rows.prompt_rows, sampled.prompt_logprobs, strict=True
+        ):
+            if req.request_id not in failed:
+                try:
+                    _add_prompt_logprobs(req, row, scored)
+                except Exception as exc:
+                    failed[req.request_id] = (req, exc)
         for request_id, (req, entries) in rows.samples.items():
             if request_id in failed:
                 continue
@@ -415,9 +434,7 @@ class LLMEngine:
         self.grammars.accept(seq.seq_id, token)
         seq.cumulative_logprob += logprob
         if params.logprobs is not None:
-            top = dict(zip(top_ids, top_logprobs, strict=True))
-            top[token] = logprob
-            seq.output_logprobs.append(top)
+            seq.output_logprobs.append(_token_logprobs(token, logprob, top_ids, top_logprobs))
         self.output.check_stop(params, seq)
         if seq.finish_reason is None and self.grammars.terminated(seq.seq_id):
             seq.finish_reason = "stop"  # the grammar took its end (an EOS, ignore_eos)
@@ -481,3 +498,23 @@ class LLMEngine:
     def _fork(self, forks: list[tuple[Request, Sequence, Sequence]]) -> None:
         for req, parent, child in forks:
             self.scheduler.fork(req, parent, child)
+
+
+def _add_prompt_logprobs(req: Request, row: PromptLogprobsRow, scored: PromptLogprobs) -> None:
+    """Append the prompt tokens a step scored to the request's prompt log-probabilities."""
+    req.prompt_logprobs.extend(
+        _token_logprobs(token, logprob, ids, lps)
+        for token, logprob, ids, lps in zip(
+            row.target_ids, scored.logprobs, scored.top_ids, scored.top_logprobs, strict=True
+        )
+    )
+
+
+def _token_logprobs(
+    token: int, logprob: float, top_ids: list[int], top_logprobs: list[float]
+) -> dict[int, float]:
+    """A token's entry in the log-probabilities an output reports: the most likely tokens
+    at its position, and itself."""
+    top = dict(zip(top_ids, top_logprobs, strict=True))
+    top[token] = logprob
+    return top

@@ -158,7 +158,13 @@ def _request_output(
         num_cached_tokens=req.num_cached_tokens,
         metrics=RequestMetrics(req.arrival_time, req.first_token_time, now if finished else None),
         num_preemptions=req.num_preemptions,
+        prompt_logprobs=req.prompt_logprobs if with_prompt and _scored(req) else None,
     )
+
+
+def _scored(req: Request) -> bool:
+    """Whether the request asked for its prompt's log-probabilities and has them all."""
+    return req.wants_prompt_logprobs and not req.computes_prompt_logprobs
 
 
 def _cut_at_stop_string(seq: Sequence, params: SamplingParams, new_chars: int) -> bool:

@@ -46,3 +46,7 @@ class RequestOutput:
     # Why the request failed (finish_reason "error"): the engine failed while running it,
     # and only it. None for every request that did not fail.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs, in the outputs that carry the prompt: per
+    # prompt token, None for the first, then a map of token id -> log-probability holding
+    # the prompt's token and the most likely ones at its position (vLLM's shape).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -54,6 +54,11 @@ class RequestChecks:
                 raise InvalidParameterError(
                     "logit_bias", f"logit_bias keys must be token ids in [0, {vocab - 1}]"
                 )
+            think = params.think_tokens
+            if think is not None and max(think.end, think.start or 0) >= vocab:
+                raise InvalidParameterError(
+                    "think_tokens", f"think_tokens must be token ids in [0, {vocab - 1}]"
+                )
         elif beam_candidates(params, self.eos_token_ids) > vocab:
             raise InvalidParameterError(
                 "beam_width", f"beam_width must be at most {vocab // 2} for this vocabulary"

@@ -87,7 +87,7 @@ class Speculation:
         ):
             return 0
         seq = req.seqs[0]
-        if self.grammars.get(seq.seq_id) is not None:
+        if self.grammars.follows(seq.seq_id):
             return 0
         # k kept proposals and the model's own token must all fit: k + 1 new tokens.
         room = self.max_model_len - seq.num_tokens - 1

@@ -1,5 +1,6 @@
-"""StepRows: the tokens one engine step draws (a SampleRow each) and whose they are;
-RowBuilder, which builds them from the step's schedule.
+"""StepRows: the tokens one engine step draws (a SampleRow each), the prompt tokens it
+scores (a PromptLogprobsRow per chunk) and whose they are; RowBuilder, which builds them
+from the step's schedule.
 
 Plain bookkeeping between the schedule and the engine's per-request processing: which
 rows belong to which sampling request or beam search, which samples are forked at their
@@ -14,12 +15,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
 from pagedllm.engine.beam_search import BeamState
 from pagedllm.engine.grammars import Grammars
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
-from pagedllm.worker.runner import SampledTokens, SampleRow
+from pagedllm.worker.runner import PromptLogprobsRow, SampledTokens, SampleRow
 
 _GREEDY = SamplingParams(temperature=0)
 
@@ -42,6 +43,10 @@ class StepRows:
     # it is the row whose grammar_row is i), None when no row has a grammar
     num_grammar_rows: int = 0
     grammar_bitmask: Any = None
+    # The prompt tokens the step scores (SamplingParams.prompt_logprobs): row i for the
+    # request prompt_owners[i]
+    prompt_rows: list[PromptLogprobsRow] = field(default_factory=list)
+    prompt_owners: list[Request] = field(default_factory=list)
 
 
 def raise_row_errors(sampled: SampledTokens, rows: Iterable[int]) -> None:
@@ -60,6 +65,24 @@ def beam_candidates(params: BeamSearchParams, eos_token_ids: Collection[int]) ->
     """Candidates kept per step, as transformers: enough that k survive any EOS."""
     num_eos = 0 if params.ignore_eos else len(eos_token_ids)
     return max(2, 1 + num_eos) * params.beam_width
+
+
+def _prompt_row(req: Request, index: int, s: ScheduledSeq) -> PromptLogprobsRow | None:
+    """The prompt tokens the chunk of `s` (the step's `index`-th sequence) predicts and
+    `req` has not scored yet: position p's logits score token p + 1. None if none."""
+    if not req.computes_prompt_logprobs or s.seq_id != req.prompt_seq.seq_id:
+        return None
+    if len(req.prompt_logprobs) < s.start_pos + 1:  # the scheduler computes such prompts whole
+        raise RuntimeError("prompt tokens before this chunk were computed without their logits")
+    prompt = req.prompt_token_ids
+    first = len(req.prompt_logprobs)
+    end = min(s.start_pos + len(s.token_ids) + 1, len(prompt))
+    if first >= end:
+        return None
+    params = sampling_params(req)
+    return PromptLogprobsRow(
+        index, first - 1 - s.start_pos, tuple(prompt[first:end]), params.prompt_logprobs or 0
+    )
 
 
 class RowBuilder:
@@ -93,13 +116,16 @@ class RowBuilder:
         rows = StepRows()
         failed: dict[str, tuple[Request, BaseException]] = {}
         logits_row = 0
-        for s in step.seqs:
-            if not s.needs_logits:
-                continue
+        for i, s in enumerate(step.seqs):
             req = self.scheduler.requests[s.request_id]
             try:
                 if req.request_id not in failed:
-                    self._add_rows(rows, logits_row, req, s.seq_id, s.draft_token_ids)
+                    prompt_row = _prompt_row(req, i, s)
+                    if prompt_row is not None:
+                        rows.prompt_rows.append(prompt_row)
+                        rows.prompt_owners.append(req)
+                    if s.needs_logits:
+                        self._add_rows(rows, logits_row, req, s.seq_id, s.draft_token_ids)
             except Exception as exc:
                 failed[req.request_id] = (req, exc)
             logits_row += s.num_logits_rows

@@ -117,16 +117,19 @@ class KVCacheManager:
         return max(held, self.num_groups * -(-reserve_tokens // self.block_size))
 
     # --------------------------------------------------------------- prefix cache
-    def lookup_prefix(self, token_ids: Sequence[Sequence[int]]) -> list[CachedPrefix]:
+    def lookup_prefix(
+        self, token_ids: Sequence[Sequence[int]], use_cache: bool = True
+    ) -> list[CachedPrefix]:
         """The longest prefix of full blocks that every one of these sequences (one
-        request's) can take from the prefix cache, as each sequence's hit.
+        request's) can take from the prefix cache, as each sequence's hit; none when
+        `use_cache` is False (a request that must compute its whole prompt).
 
         Each group's attention kind says which of the prefix's blocks it needs cached
         (kv/attention_kinds.py); the block holding the last token is never covered
         (kv/block_hash.py `reusable_blocks`).
         """
         empty = CachedPrefix.empty(self.num_groups)
-        if not self.enable_prefix_caching or not token_ids:
+        if not self.enable_prefix_caching or not use_cache or not token_ids:
             return [empty for _ in token_ids]
         found = [self._cached_blocks(ids) for ids in token_ids]
         n = min(len(hashes) for _, hashes in found)

@@ -36,6 +36,12 @@ class StepBitmask:
             self.tensor = grown
         state.fill_bitmask(self.tensor, row)
 
+    def allow(self, row: int, token_id: int) -> None:
+        """Row `row` (filled this step) allows `token_id` too."""
+        word, bit = divmod(token_id, 32)
+        # int32 words: bit 31 is the sign bit
+        self.tensor[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
+
 
 def apply_grammar_masks(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[tuple[int, int]]

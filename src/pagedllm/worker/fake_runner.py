@@ -1,7 +1,8 @@
 """FakeModelRunner: a model runner with no model, for bookkeeping runs and property tests.
 
 It computes nothing: each row draws a chosen token (always `token`, or random with a
-seed), with made-up log-probabilities for the candidates a beam search asks for. A row
+seed), with made-up log-probabilities for the candidates a beam search asks for and for
+the prompt tokens a request scores. A row
 that checks proposed tokens (speculative decoding) keeps a deterministic number of them
 (`num_accepted`), so that runs cover both kept and rejected proposals. It keeps the
 block tables as the real runner does, from each step's changes (`tables`, the same
@@ -20,7 +21,14 @@ from typing import Any
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.worker.batch_tables import BatchTables, ListTableStore
 from pagedllm.worker.penalty_rows import ListCountStore, PenaltyRows
-from pagedllm.worker.runner import AcceptedDrafts, ModelSpec, SampledTokens, SampleRow
+from pagedllm.worker.runner import (
+    AcceptedDrafts,
+    ModelSpec,
+    PromptLogprobs,
+    PromptLogprobsRow,
+    SampledTokens,
+    SampleRow,
+)
 
 
 def default_num_accepted(row: SampleRow) -> int:
@@ -71,7 +79,11 @@ class FakeModelRunner:
         self.tables = BatchTables(num_groups, ListTableStore(num_groups))  # no K/V to hold
 
     def execute(
-        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+        self,
+        step: SchedulerOutput,
+        rows: Sequence[SampleRow],
+        grammar_bitmask: Any = None,
+        prompt_rows: Sequence[PromptLogprobsRow] = (),
     ) -> SampledTokens:
         self.tables.apply(step)
         self.penalties.apply(step, rows)
@@ -97,9 +109,27 @@ class FakeModelRunner:
             tokens.append(token)
             top_ids.append(candidates)
             top_lps.append([-0.5 * (i + 1) for i in range(k)])  # best first
-        sampled = SampledTokens(tokens, [-0.5] * len(rows), top_ids, top_lps, {}, accepted)
+        sampled = SampledTokens(
+            tokens,
+            [-0.5] * len(rows),
+            top_ids,
+            top_lps,
+            {},
+            accepted,
+            prompt_logprobs=[self._prompt_logprobs(r) for r in prompt_rows],
+        )
         self.penalties.add(rows, sampled)
         return sampled
+
+    def _prompt_logprobs(self, row: PromptLogprobsRow) -> PromptLogprobs:
+        """Made-up scores: each target token -0.5, and the num_logprobs tokens from the
+        target on, best first."""
+        vocab, k = self.spec.vocab_size, min(row.num_logprobs, self.spec.vocab_size)
+        return PromptLogprobs(
+            [-0.5] * len(row.target_ids),
+            [[(t + i) % vocab for i in range(k)] for t in row.target_ids],
+            [[-0.5 * (i + 1) for i in range(k)] for _ in row.target_ids],
+        )
 
     def shutdown(self) -> None:
         pass

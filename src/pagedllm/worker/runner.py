@@ -61,6 +61,28 @@ class SampleRow:
 
 
 @dataclass(frozen=True)
+class PromptLogprobsRow:
+    """Prompt tokens whose log-probabilities scheduled sequence `seq_index` (its place in
+    the step's `seqs`) computes this step: the logits at its chunk's positions `first`,
+    `first + 1`, ... score `target_ids`, the prompt tokens that follow them."""
+
+    seq_index: int
+    first: int
+    target_ids: tuple[int, ...]
+    num_logprobs: int  # the most likely tokens to report at each position
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A PromptLogprobsRow's answer, one entry per target token: its log-probability
+    (log_softmax of the logits in float32) and the num_logprobs most likely tokens."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(frozen=True)
 class AcceptedDrafts:
     """A speculating row's proposals the model kept, in order, before the row's own
     token (token_ids[row] of SampledTokens), with their log-probabilities."""
@@ -86,6 +108,8 @@ class SampledTokens:
     # row -> the tokens a draft model proposes for its sequence's next step, drawn after
     # this step's tokens (rows with num_proposals; worker/draft_model.py)
     next_proposals: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # One per PromptLogprobsRow the step was given, in order
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class ModelRunner(Protocol):
@@ -109,12 +133,17 @@ class ModelRunner(Protocol):
         ...
 
     def execute(
-        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+        self,
+        step: SchedulerOutput,
+        rows: Sequence[SampleRow],
+        grammar_bitmask: Any = None,
+        prompt_rows: Sequence[PromptLogprobsRow] = (),
     ) -> SampledTokens:
         """Run the step's forward pass (copy-on-write copies first) and draw `rows`.
         `grammar_bitmask`: int32 [grammar rows, ceil(vocab / 32)], one bit per token, the
         rows with a `grammar_row` may draw (None when none has). A row whose draw fails
-        goes to `row_errors`; a failed forward pass raises."""
+        goes to `row_errors`; a failed forward pass raises. `prompt_rows`: the prompt
+        tokens to score (SampledTokens.prompt_logprobs)."""
         ...
 
     def shutdown(self) -> None:

@@ -32,7 +32,7 @@ from pagedllm.loader import LoadedModel
 from pagedllm.model.sharding import check_tensor_parallel, shard_weights
 from pagedllm.worker.model_runner import TorchModelRunner
 from pagedllm.worker.options import RunnerOptions
-from pagedllm.worker.runner import ModelSpec, SampledTokens, SampleRow
+from pagedllm.worker.runner import ModelSpec, PromptLogprobsRow, SampledTokens, SampleRow
 from pagedllm.worker.tp_group import (
     TPGroup,
     env_group,
@@ -180,10 +180,18 @@ class TensorParallelRunner:
         self._call("init_kv_cache", num_blocks, block_size, layer_groups, null_block)
 
     def execute(
-        self, step: SchedulerOutput, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+        self,
+        step: SchedulerOutput,
+        rows: Sequence[SampleRow],
+        grammar_bitmask: Any = None,
+        prompt_rows: Sequence[PromptLogprobsRow] = (),
     ) -> SampledTokens:
         # The workers draw no rows: the driver alone samples, from the gathered logits.
-        return self._call("execute", step, rows, grammar_bitmask, worker_args=(step, ()))
+        # They compute the prompt rows' logits too, for the gathers to pair up.
+        worker_args = (step, (), None, prompt_rows)
+        return self._call(
+            "execute", step, rows, grammar_bitmask, prompt_rows, worker_args=worker_args
+        )
 
     @property
     def int8_kernels(self) -> dict[str, str]:

@@ -98,7 +98,7 @@ def build_app(
 ) -> serve.Application:
     """The application; `server`: create_app's options (api_key, served_model_name,
     max_waiting, max_request_bytes, body_timeout, max_prompts_per_request, allowed_origins,
-    enable_docs)."""
+    enable_docs, reasoning_parser)."""
     options = options or RayServeOptions()
     deployment_options: dict[str, Any] = dict(
         name="EngineReplica",

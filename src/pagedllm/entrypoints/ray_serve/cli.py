@@ -36,6 +36,7 @@ def run_ray_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         max_prompts_per_request=args.max_prompts_per_request,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         enable_docs=args.enable_docs,
+        reasoning_parser=args.reasoning_parser,
     )
     ray.init()  # $RAY_ADDRESS's cluster, else a local one
     serve.start(http_options={"host": args.host, "port": args.port})

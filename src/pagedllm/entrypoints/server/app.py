@@ -1,8 +1,9 @@
 """create_app(engine, ...): the OpenAI-compatible FastAPI app over one engine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models and
-GET /v1/models/{id}, POST /tokenize, POST /detokenize and GET /tokenizer_info
-(tokenization.py; all behind the API key when one is set; an empty key is no key),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (the
+Responses API: responses_api.py), GET|HEAD /v1/models and GET /v1/models/{id},
+POST /tokenize, POST /detokenize and GET /tokenizer_info (tokenization.py; all behind
+the API key when one is set; an empty key is no key),
 GET|HEAD /health, GET /metrics, the KV view under /kv unless `kv_view=False` (behind the
 key too; see kv_routes.py), and, only with `enable_docs`, /docs, /redoc and /openapi.json
 (behind the key too). Request bodies are read by hand, so the checks run in
@@ -41,6 +42,7 @@ from pagedllm.entrypoints.server.limits import (
     check_limits,
 )
 from pagedllm.entrypoints.server.metrics import ServerMetrics
+from pagedllm.entrypoints.server.reasoning import reasoning_parser as find_reasoning_parser
 from pagedllm.entrypoints.server.request_id import RequestIdMiddleware
 from pagedllm.entrypoints.server.routes import api_router, docs_router, ops_router
 from pagedllm.entrypoints.server.serving import Serving
@@ -88,6 +90,7 @@ def create_app(
     kv_view_text: bool = False,
     kv_view_interval: float = 0.25,
     tool_call_parser: str = DEFAULT_PARSER,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The app over `engine` (an LLMEngine is run on an AsyncLLMEngine); the engine loop
     starts with the app (or at the first request) and stops with it. `served_model_name`:
@@ -101,7 +104,9 @@ def create_app(
     `kv_view_interval` seconds at most, with token text only if `kv_view_text`.
     `max_waiting` and `kv_view` need an engine in this process (ValueError otherwise).
     `tool_call_parser`: how the model writes a tool call, read back under tool_choice
-    "auto" (tool_parsers.py; ValueError if unknown)."""
+    "auto" (tool_parsers.py; ValueError if unknown). `reasoning_parser` ("deepseek_r1" or
+    "qwen3"; None: off): splits a chat answer's `<think>` reasoning into
+    `reasoning_content` (reasoning.py; ValueError if unknown)."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     in_process = engine if isinstance(engine, AsyncLLMEngine) else None
@@ -118,7 +123,12 @@ def create_app(
     name = names[0]
     metrics = ServerMetrics(engine)
     serving = Serving(
-        engine, metrics, name, parser_factory(tool_call_parser), max_prompts_per_request
+        engine,
+        metrics,
+        name,
+        parser_factory(tool_call_parser),
+        max_prompts_per_request,
+        find_reasoning_parser(reasoning_parser),
     )
 
     # FastAPI's own docs routes cannot take the key: docs_router's can.

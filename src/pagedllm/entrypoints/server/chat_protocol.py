@@ -18,9 +18,9 @@ from pydantic import Field
 from pagedllm.entrypoints.server.messages import ChatMessage, check_messages
 from pagedllm.entrypoints.server.protocol import SamplingRequest, refuse
 from pagedllm.entrypoints.server.structured import Structured
-from pagedllm.entrypoints.server.tools import ToolUse, tool_use
+from pagedllm.entrypoints.server.tools import ToolUse, tool_use, with_tools
 from pagedllm.errors import InvalidParameterError
-from pagedllm.sampling_params import SamplingParams, StructuredOutputs
+from pagedllm.sampling_params import SamplingParams
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -71,18 +71,7 @@ class ChatCompletionRequest(SamplingRequest):
         return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     def structured(self) -> Structured | None:
-        asked = super().structured()
-        tools = self.tool_use()
-        if tools is None or tools.schema is None:
-            # "auto": the request's own grammar (if any) holds the whole output, and a
-            # call is parsed where the grammar let the model write one
-            return asked
-        if asked is not None:
-            raise InvalidParameterError(
-                asked.field,
-                f"{asked.field} cannot be combined with tool_choice {self.tool_choice!r}",
-            )
-        return Structured(StructuredOutputs(json=tools.schema), tools.field)
+        return with_tools(super().structured(), self.tool_use(), self.tool_choice)
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (after `check`)."""

@@ -134,17 +134,19 @@ def _calls(calls: Any, where: str) -> None:
             raise InvalidParameterError(
                 f"{at}.function", f'{at}.function must be {{"name": str, "arguments": str}}'
             )
-        args = fn.get("arguments")
-        try:
-            value = loads(args) if isinstance(args, str) else None
-        except JSONTooDeepError as exc:
-            raise InvalidParameterError(
-                f"{at}.function.arguments", f"{at}.function.arguments {exc}"
-            ) from None
-        except ValueError:
-            value = None
-        if not isinstance(value, dict):
-            raise InvalidParameterError(
-                f"{at}.function.arguments",
-                f"{at}.function.arguments must be the JSON text of an object, got {args!r}"[:300],
-            )
+        check_arguments(fn.get("arguments"), f"{at}.function.arguments")
+
+
+def check_arguments(args: Any, where: str) -> None:
+    """InvalidParameterError naming `where` unless `args` is the JSON text of an object
+    (a call's arguments)."""
+    try:
+        value = loads(args) if isinstance(args, str) else None
+    except JSONTooDeepError as exc:
+        raise InvalidParameterError(where, f"{where} {exc}") from None
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidParameterError(
+            where, f"{where} must be the JSON text of an object, got {args!r}"[:300]
+        )

@@ -78,7 +78,11 @@ class SamplingRequest(BaseModel):
                 raise InvalidParameterError("stop", str(exc)) from None
 
     def _params(
-        self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        best_of: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams of the request; InvalidParameterError names the bad field."""
         return SamplingParams(
@@ -99,6 +103,7 @@ class SamplingRequest(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_keys(self.logit_bias),
             structured_outputs=structured.spec if (structured := self.structured()) else None,
@@ -115,7 +120,13 @@ class SamplingRequest(BaseModel):
             "guided_choice": self.guided_choice,
             "guided_grammar": self.guided_grammar,
         }
-        return from_fields(guided, self.structured_outputs, self.response_format)
+        return from_fields(
+            guided, self.structured_outputs, self.response_format, self.text_format()
+        )
+
+    def text_format(self) -> dict[str, Any] | None:
+        """The Responses API's `text.format` (responses_protocol.py); None elsewhere."""
+        return None
 
     def structured_names(self) -> dict[str, str]:
         """Engine parameters of structured output -> the request's field."""
@@ -141,7 +152,7 @@ class CompletionRequest(SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        refuse({"echo": self.echo, "suffix": bool(self.suffix)})
+        refuse({"suffix": bool(self.suffix)})
         # The n best of best_of are known only at the end: a stream could not send them.
         if self.stream and self.best_of not in (None, self.n):
             raise InvalidParameterError("best_of", "best_of must equal n when streaming")
@@ -154,8 +165,16 @@ class CompletionRequest(SamplingRequest):
             return [p]  # type: ignore[list-item]
         return p  # type: ignore[return-value]
 
+    @property
+    def scores_prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt, scored, and nothing generated (the engine
+        draws one token, left out of the response; entrypoints/server/echo.py)."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs, self.best_of)
+        max_tokens = 1 if self.scores_prompt_only else self.max_tokens
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._params(max_tokens, self.logprobs, self.best_of, prompt_logprobs)
 
     def param_names(self) -> dict[str, str]:
         return self.structured_names()

@@ -19,6 +19,8 @@ from pagedllm.entrypoints.server.csp import policy
 from pagedllm.entrypoints.server.errors import APIError
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.protocol import CompletionRequest
+from pagedllm.entrypoints.server.responses_api import create_response
+from pagedllm.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.server.serving import Serving
 
 # Where FastAPI's docs pages load Swagger UI and ReDoc from (its defaults).
@@ -29,8 +31,8 @@ DOCS_FONTS = ("https://fonts.googleapis.com", "https://fonts.gstatic.com")
 def api_router(
     serving: Serving, reader: RequestReader, cards: list[r.ModelCard], api_key: ApiKey
 ) -> APIRouter:
-    """POST /v1/completions, POST /v1/chat/completions, GET|HEAD /v1/models[/{id}] (one
-    card per served name)."""
+    """POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+    GET|HEAD /v1/models[/{id}] (one card per served name)."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
 
     @v1.post("/completions")
@@ -40,6 +42,10 @@ def api_router(
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await reader.read(request, ChatCompletionRequest), request)
+
+    @v1.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(serving, await reader.read(request, ResponsesRequest), request)
 
     # HEAD (for probes) stays out of the schema: one operation per route there.
     @v1.head("/models", include_in_schema=False)

@@ -18,6 +18,7 @@ from pagedllm.entrypoints.server.limits import (
     check_limits,
     check_shutdown_timeout,
 )
+from pagedllm.entrypoints.server.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS
 
 
@@ -111,6 +112,14 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "(default %(default)s: <tool_call>{...}</tool_call>, as Hermes, Qwen and SmolLM2 write)",
     )
     p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split a thinking model's <think>...</think> reasoning from its chat answer into "
+        "reasoning_content; deepseek_r1: the output starts in reasoning (R1 distills, whose "
+        "template opens the block); qwen3: only a <think> opens it (default: no split)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     ray = p.add_argument_group("Ray Serve (pip install pagedllm[ray])")
@@ -200,6 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
             kv_view=args.kv_view,
             kv_view_text=args.kv_view_text,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         key = "required" if args.api_key else "not required"
         if args.api_key == "":

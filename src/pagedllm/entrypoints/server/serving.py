@@ -4,13 +4,15 @@ body, or Server-Sent Events with `stream: true`). A completion's `prompt` may be
 (at most `max_prompts_per_request` prompts): prompt i's choices are i*n .. i*n+n-1, as in
 vLLM, and usage is summed.
 
-Both endpoints share one flow (`Serving._start`, then `Serving._respond`): check the
+Both endpoints share one flow (`Serving.start`, then `Serving._respond`): check the
 request, build its SamplingParams, encode its prompts, queue them (the async engine checks
 that each could run, then compiles a grammar off its thread), then stream or collect and
 count usage. Each endpoint says only what differs: how its prompts are encoded and
-the shape of its choices. Engine request ids are `cmpl-`/`chatcmpl-` + the request id
-(the client's X-Request-Id, or one made for it) + a running number, so that two clients
-that send the same X-Request-Id still get separate engine requests.
+the shape of its choices. `/v1/responses` (responses_api.py) starts its requests with
+`Serving.start` too, and answers in its own shape. Engine request ids are `cmpl-`,
+`chatcmpl-` or `resp-` + the request id (the client's X-Request-Id, or one made for it) +
+a running number, so that two clients that send the same X-Request-Id still get separate
+engine requests.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -31,12 +33,19 @@ import pagedllm.entrypoints.server.responses as r
 from pagedllm.engine.engine_client import EngineClient
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.chat_protocol import ChatCompletionRequest
+from pagedllm.entrypoints.server.echo import Echo
 from pagedllm.entrypoints.server.errors import from_invalid_param
 from pagedllm.entrypoints.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.protocol import CompletionRequest
+from pagedllm.entrypoints.server.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    reasoning_tokens,
+)
 from pagedllm.entrypoints.server.request_id import request_id
+from pagedllm.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.server.streaming import (
     Delta,
     Generation,
@@ -98,12 +107,15 @@ class Serving:
     # how the model writes a tool call (tool_parsers.py), read back under "auto"
     parser_factory: Callable[[Collection[str]], ToolParser] = PARSERS[DEFAULT_PARSER]
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    # splits a chat answer's reasoning from its content (reasoning.py); None: no split
+    reasoning: ReasoningParser | None = None
     encoder: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
         tokenizer = self.engine.tokenizer
         self.encoder = PromptEncoder(tokenizer)
         self._numbers = itertools.count()
+        self._think = self.reasoning.think_tokens(tokenizer) if self.reasoning else None
 
         @lru_cache(maxsize=65536)
         def token_str(token_id: int) -> str:
@@ -114,9 +126,9 @@ class Serving:
         self.token_str = token_str
 
     # ------------------------------------------------------------ the shared flow
-    async def _start(
+    async def start(
         self,
-        req: CompletionRequest | ChatCompletionRequest,
+        req: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
         raw: Request,
         prefix: str,
         encode: Callable[[], Awaitable[list[list[int]]]],
@@ -132,6 +144,8 @@ class Serving:
             prompts = await encode()
             structured = req.structured()
             field = structured.field if structured is not None else None
+            if field is not None and not isinstance(req, CompletionRequest):
+                params = self._after_reasoning(params, field)
             gen = await submit(
                 self.engine, self.metrics, rid, prompts, params, arrival, client_id, field
             )
@@ -143,6 +157,30 @@ class Serving:
             len(prompts),
         )
         return Started(rid, created, self.model_name, params, gen)
+
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        """How many of an output's tokens are reasoning (reasoning.reasoning_tokens); 0
+        without a reasoning parser, or on a vocabulary without the think tokens, where
+        the count is not known."""
+        if self.reasoning is None or self._think is None:
+            return 0
+        return reasoning_tokens(token_ids, self._think)
+
+    def _after_reasoning(self, params: SamplingParams, field: str) -> SamplingParams:
+        """Chat (and Responses API) params whose grammar (asked for by the request's
+        `field`) starts after the reasoning, when the server splits reasoning;
+        InvalidParameterError naming `field` when the model's vocabulary cannot show where
+        the reasoning ends."""
+        if self.reasoning is None:
+            return params
+        if self._think is None:
+            raise InvalidParameterError(
+                field,
+                f"{field} cannot be used with the {self.reasoning.name} reasoning parser on "
+                "this model: its vocabulary has no <think> and </think> tokens, so the "
+                "grammar cannot tell where the answer starts",
+            )
+        return replace(params, think_tokens=self._think)
 
     async def _respond(
         self,
@@ -173,9 +211,14 @@ class Serving:
 
     # ---------------------------------------------------------- completions
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        s = await self._start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
+        s = await self.start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
         k = req.logprobs
         n = s.params.n
+        echo = Echo(req.prompts(), self.engine.tokenizer, req.scores_prompt_only)
+
+        def deltas(position: int, out: RequestOutput) -> list[Delta]:
+            found = choice_deltas(out, position * n)
+            return [echo.apply(d, out, position) for d in found] if req.echo else found
 
         def choice(d: Delta) -> dict[str, Any]:
             lps = self._completion_logprobs(d, k) if k is not None else None
@@ -187,12 +230,12 @@ class Serving:
             }
 
         def stream_choices(position: int, out: RequestOutput) -> Iterable[Choices]:
-            for d in choice_deltas(out, position * n):
+            for d in deltas(position, out):
                 if worth_sending(d, k):
                     yield [choice(d)]
 
         def final_choices(finals: list[RequestOutput]) -> Choices:
-            return [choice(d) for i, out in enumerate(finals) for d in choice_deltas(out, i * n)]
+            return [choice(d) for i, out in enumerate(finals) for d in deltas(i, out)]
 
         objects = ("text_completion", "text_completion")
         return await self._respond(s, req, raw, objects, stream_choices, final_choices)
@@ -215,9 +258,13 @@ class Serving:
         for token, top in zip(d.token_ids, d.logprobs or [], strict=False):
             s = self.token_str(token)
             out.tokens.append(s)
-            out.token_logprobs.append(top.get(token))
             out.text_offset.append(offset)
             offset += len(s)
+            if top is None:  # an echoed prompt's first token: nothing predicts it
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(top.get(token))
             best = sorted(top.items(), key=lambda kv: -kv[1])[:k]
             out.top_logprobs.append({self.token_str(t): lp for t, lp in best} if k else None)
         return r.dump(out)
@@ -228,7 +275,7 @@ class Serving:
             conversation, tools = req.conversation(), req.offered_tools()
             return [await self.encoder.chat(conversation, req.add_generation_prompt, tools)]
 
-        s = await self._start(req, raw, "chatcmpl", encode)
+        s = await self.start(req, raw, "chatcmpl", encode)
         k = (req.top_logprobs or 0) if req.logprobs else None
         use = req.tool_use()
         streams: dict[int, ToolCallStream] = {}  # with tools: each choice's call stream
@@ -248,6 +295,19 @@ class Serving:
         def chunk(d: Delta, delta: dict[str, Any], reason: str | None) -> Choices:
             return [{"index": d.index, "delta": delta, "logprobs": lps(d), "finish_reason": reason}]
 
+        thinking: dict[int, ReasoningStream] = {}  # with a reasoning parser: each choice's
+
+        def split(d: Delta) -> tuple[str, str]:
+            """(reasoning, content) that this piece of the choice's text completes."""
+            if self.reasoning is None:
+                return "", d.text
+            stream = thinking.setdefault(d.index, self.reasoning.stream())
+            reasoning, content = stream.feed(d.text)
+            if d.finish_reason is not None:
+                more, rest = stream.finish()
+                reasoning, content = reasoning + more, content + rest
+            return reasoning, content
+
         started: set[int] = set()
 
         def stream_choices(_: int, out: RequestOutput) -> Iterable[Choices]:
@@ -258,16 +318,17 @@ class Serving:
                     yield [
                         {"index": d.index, "delta": first, "logprobs": None, "finish_reason": None}
                     ]
-                if use is None:
-                    if worth_sending(d, k):
-                        yield chunk(d, {"content": d.text} if d.text else {}, d.finish_reason)
-                    continue
-                calls = tool_stream(d.index)
-                text, deltas = calls.feed(d.text)
-                if d.finish_reason is not None:
-                    more, rest = calls.finish()
-                    text, deltas = text + more, deltas + rest
-                delta: dict[str, Any] = {"content": text} if text else {}
+                reasoning, text = split(d)
+                delta: dict[str, Any] = _reasoning_fields(reasoning) if reasoning else {}
+                deltas: list[dict[str, Any]] = []
+                if use is not None:
+                    calls = tool_stream(d.index)
+                    text, deltas = calls.feed(text)
+                    if d.finish_reason is not None:
+                        more, rest = calls.finish()
+                        text, deltas = text + more, deltas + rest
+                if text:
+                    delta["content"] = text
                 if deltas:
                     delta["tool_calls"] = deltas
                 if delta or d.finish_reason or (k is not None and d.token_ids):
@@ -276,9 +337,14 @@ class Serving:
         def final_choices(finals: list[RequestOutput]) -> Choices:
             choices = []
             for d in choice_deltas(finals[0]):
-                msg: dict[str, Any] = {"role": "assistant", "content": d.text}
-                if use is not None:
-                    whole = tool_stream(d.index).whole(d.text)
+                reasoning, text = (
+                    (None, d.text) if self.reasoning is None else self.reasoning.split(d.text)
+                )
+                msg: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.reasoning is not None:
+                    msg.update(_reasoning_fields(reasoning))
+                if use is not None and text is not None:
+                    whole = tool_stream(d.index).whole(text)
                     msg["content"] = whole.content
                     if whole.calls:
                         msg["tool_calls"] = whole.calls
@@ -312,3 +378,9 @@ class Serving:
                 )
             )
         return [r.dump(c) for c in content]
+
+
+def _reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """A message's or delta's reasoning, under both of vLLM's names: `reasoning_content`
+    (DeepSeek's, which most clients read) and `reasoning`, which vLLM sends too."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}

@@ -178,26 +178,39 @@ class _SSEResponse(StreamingResponse):
             self._on_close()
 
 
+def data_event(chunk: dict[str, Any]) -> str:
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
 def sse_response(
     gen: Generation,
     chunks_of: Callable[[int, RequestOutput], Iterable[dict[str, Any]]],
     last_chunks: Callable[[], Iterable[dict[str, Any]]],
+    *,
+    first: Iterable[dict[str, Any]] = (),
+    event: Callable[[dict[str, Any]], str] = data_event,
+    failed: Callable[[APIError], dict[str, Any]] = APIError.body,
+    done: str = "data: [DONE]\n\n",
 ) -> StreamingResponse:
-    """`data: {chunk}` per output (with its prompt's position), the final chunks (once
-    every prompt has ended), then `data: [DONE]`."""
+    """The `first` chunks, `data: {chunk}` (or what `event` writes) per output (with its
+    prompt's position), the final chunks (once every prompt has ended), then `done`. A
+    request the engine fails ends the stream with the chunk `failed` makes of its error."""
     state = {"ended": False}
 
     async def events() -> AsyncIterator[str]:
+        for chunk in first:
+            yield event(chunk)
         try:
             async for out in gen.stream:
                 for chunk in chunks_of(gen.on_output(out), out):
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield event(chunk)
             for chunk in last_chunks():
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield event(chunk)
         except RequestFailedError as exc:
-            yield f"data: {json.dumps(failure(gen, exc).body())}\n\n"
+            yield event(failed(failure(gen, exc)))
         state["ended"] = True
-        yield "data: [DONE]\n\n"
+        if done:
+            yield done
 
     def on_close() -> None:
         if not state["ended"]:
@@ -211,7 +224,8 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    # per token; None for a prompt's first token (echo), which nothing predicts
+    logprobs: list[dict[int, float] | None] | None
     finish_reason: str | None
 
 

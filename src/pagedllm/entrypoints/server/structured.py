@@ -3,9 +3,10 @@
 OpenAI's `response_format` (`text`, `json_object`, or `json_schema` with `{name, schema,
 strict}`; on completions too, as vLLM takes it), and vLLM's extra fields: `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`, or the newer `structured_outputs`
-object. One per request. `Structured.field` is the request's own field, so that a grammar
-the engine cannot compile is a 400 naming what the client sent (e.g.
-`response_format.json_schema`). With `strict: true` a schema keyword that the grammar
+object; the Responses API's `text.format` (the same kinds, with `name`, `schema` and
+`strict` beside `type`). One per request. `Structured.field` is the request's own
+field, so that a grammar the engine cannot compile is a 400 naming what the client sent
+(e.g. `response_format.json_schema`). With `strict: true` a schema keyword that the grammar
 would not enforce (structured/unenforced.py) is a 400 naming it; without, it is accepted
 and not enforced.
 """
@@ -46,12 +47,15 @@ def from_fields(
     guided: Mapping[str, Any],
     structured_outputs: dict[str, Any] | None,
     response_format: dict[str, Any] | None = None,
+    text_format: dict[str, Any] | None = None,
 ) -> Structured | None:
     """The request's structured output, if it asks for one; InvalidParameterError names
     the field that is wrong, or the second of two that both ask."""
     found: list[Structured] = []
     if response_format is not None:
-        found += _response_format(response_format)
+        found += _format(response_format, "response_format", "json_schema")
+    if text_format is not None:
+        found += _format(text_format, "text.format", None)
     for name, kind in GUIDED.items():
         if guided.get(name) is not None:
             found.append(Structured(_spec(name, **{kind: guided[name]}), name))
@@ -66,19 +70,21 @@ def from_fields(
     return found[0] if found else None
 
 
-def _response_format(rf: dict[str, Any]) -> list[Structured]:
+def _format(rf: dict[str, Any], where: str, schema_key: str | None) -> list[Structured]:
+    """`response_format` (`where`), whose json_schema sits under `schema_key`, or the
+    Responses API's `text.format`, which holds it beside `type` (`schema_key` None)."""
     kind = rf.get("type", "text")
     if kind not in RESPONSE_FORMATS:
         raise InvalidParameterError(
-            "response_format.type",
-            f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}",
+            f"{where}.type",
+            f"{where}.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}",
         )
     if kind == "text":
         return []
     if kind == "json_object":
-        return [Structured(StructuredOutputs(json_object=True), "response_format")]
-    field = "response_format.json_schema"
-    js = rf.get("json_schema")
+        return [Structured(StructuredOutputs(json_object=True), where)]
+    field = f"{where}.{schema_key}" if schema_key else where
+    js = rf.get(schema_key) if schema_key else rf
     if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
         raise InvalidParameterError(
             field, f"{field} must be an object with a 'schema' (a JSON schema object)"

@@ -92,7 +92,7 @@ class HermesToolParser(ToolParser):
                 continue
             start = self._buffer.find(self.START)
             if start < 0:
-                keep = _partial_suffix(self._buffer, self.START)
+                keep = partial_suffix(self._buffer, self.START)
                 cut = len(self._buffer) - keep
                 if cut:
                     pieces.append(Piece(self._buffer[:cut]))
@@ -137,7 +137,7 @@ class HermesToolParser(ToolParser):
         return ParsedCall(value["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

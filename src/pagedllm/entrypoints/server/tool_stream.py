@@ -3,8 +3,10 @@
 `ToolCallStream.feed(text)` returns what the new text completes: content text and tool-call
 deltas in OpenAI's streaming shape (`{"index", "id", "type": "function", "function":
 {"name", "arguments"}}` opening a call, then `{"index", "function": {"arguments"}}` for
-more of its arguments). A whole answer runs the same stream over the whole text and joins
-the deltas (`whole`), so a stream and a whole answer always agree.
+more of its arguments); `feed_in_order` gives the same in the order the model wrote it
+(the Responses API makes output items of it). A whole answer runs the same stream over
+the whole text and joins the deltas (`whole`), so a stream and a whole answer always
+agree.
 
 * auto: the parser's pieces (text held back while a call may be starting; each call sent
   whole when its block closes);
@@ -56,36 +58,45 @@ class ToolCallStream:
 
     def feed(self, text: str) -> tuple[str, list[Delta]]:
         """(content text, tool-call deltas) that `text` completes."""
+        return _split(self.feed_in_order(text))
+
+    def finish(self) -> tuple[str, list[Delta]]:
+        """What is left when the output ends."""
+        return _split(self.finish_in_order())
+
+    def feed_in_order(self, text: str) -> list[str | Delta]:
+        """What `text` completes, in the order the model wrote it: content text (str)
+        and tool-call deltas."""
         if self._parser is not None:
             return self._pieces(self._parser.feed(text))
         if self.use.mode == "named":
             if not text:
-                return "", []
+                return []
             if self.calls == 0:
                 self.calls = 1
-                return "", [_opening(0, self.use.named or "", text)]
-            return "", [{"index": 0, "function": {"arguments": text}}]
-        deltas = []
+                return [_opening(0, self.use.named or "", text)]
+            return [{"index": 0, "function": {"arguments": text}}]
+        deltas: list[str | Delta] = []
         for obj in self._scan.feed(text):
             call = _required_call(obj, self.use.functions)
             if call is not None and (delta := self._open(call)):
                 deltas.append(delta)
-        return "", deltas
+        return deltas
 
-    def finish(self) -> tuple[str, list[Delta]]:
-        """What is left when the output ends."""
+    def finish_in_order(self) -> list[str | Delta]:
+        """What is left when the output ends, in order."""
         if self._parser is not None:
             return self._pieces(self._parser.finish())
-        return "", []
+        return []
 
-    def _pieces(self, pieces: list[Any]) -> tuple[str, list[Delta]]:
-        text, deltas = "", []
+    def _pieces(self, pieces: list[Any]) -> list[str | Delta]:
+        out: list[str | Delta] = []
         for piece in pieces:
             if piece.call is None:
-                text += piece.text
+                out.append(piece.text)
             elif delta := self._open(piece.call):
-                deltas.append(delta)
-        return text, deltas
+                out.append(delta)
+        return out
 
     def _open(self, call: ParsedCall) -> Delta | None:
         """The delta that opens `call` whole, or None past the request's `max_calls`."""
@@ -108,6 +119,12 @@ class ToolCallStream:
         if not calls:
             return Whole(content if self.use.mode == "auto" else content or None, [])
         return Whole(content.strip() or None, calls)
+
+
+def _split(steps: list[str | Delta]) -> tuple[str, list[Delta]]:
+    """(the text, the deltas) of steps in order."""
+    text = "".join(s for s in steps if isinstance(s, str))
+    return text, [s for s in steps if not isinstance(s, str)]
 
 
 def _opening(index: int, name: str, arguments: str) -> Delta:
