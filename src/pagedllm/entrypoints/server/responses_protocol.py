@@ -140,11 +140,6 @@ class ResponsesRequest(SamplingRequest):
             out.append({"type": "function", "function": {k: tool[k] for k in fields if k in tool}})
         return out
 
-    def offered_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the chat template offers the model (none with tool_choice "none")."""
-        tools = self.tool_use()
-        return list(tools.tools) if tools is not None else None
-
     def chat_messages(self) -> list[ChatMessage]:
         """`instructions` and `input` as chat messages; InvalidParameterError names the
         item that is wrong."""

@@ -56,6 +56,7 @@ from pagedllm.entrypoints.server.streaming import (
 )
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS, ToolParser
 from pagedllm.entrypoints.server.tool_stream import ToolCallStream
+from pagedllm.entrypoints.server.tools import offered_tools
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
@@ -272,7 +273,7 @@ class Serving:
     # ----------------------------------------------------------------- chat
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         async def encode() -> list[list[int]]:
-            conversation, tools = req.conversation(), req.offered_tools()
+            conversation, tools = req.conversation(), offered_tools(req.tool_use())
             return [await self.encoder.chat(conversation, req.add_generation_prompt, tools)]
 
         s = await self.start(req, raw, "chatcmpl", encode)

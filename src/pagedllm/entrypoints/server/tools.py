@@ -56,6 +56,12 @@ class ToolUse:
     max_calls: int | None = None  # None: any number
 
 
+def offered_tools(use: ToolUse | None) -> list[dict[str, Any]] | None:
+    """The tools the chat template offers the model (none without tools or with
+    tool_choice "none")."""
+    return list(use.tools) if use is not None else None
+
+
 def tool_use(
     tools: Any, tool_choice: Any, parallel_tool_calls: bool = True, flat: bool = False
 ) -> ToolUse | None:
