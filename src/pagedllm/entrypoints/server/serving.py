@@ -303,11 +303,7 @@ class Serving:
             if self.reasoning is None:
                 return "", d.text
             stream = thinking.setdefault(d.index, self.reasoning.stream())
-            reasoning, content = stream.feed(d.text)
-            if d.finish_reason is not None:
-                more, rest = stream.finish()
-                reasoning, content = reasoning + more, content + rest
-            return reasoning, content
+            return _feed(stream, d.text, d.finish_reason is not None)
 
         started: set[int] = set()
 
@@ -323,11 +319,7 @@ class Serving:
                 delta: dict[str, Any] = _reasoning_fields(reasoning) if reasoning else {}
                 deltas: list[dict[str, Any]] = []
                 if use is not None:
-                    calls = tool_stream(d.index)
-                    text, deltas = calls.feed(text)
-                    if d.finish_reason is not None:
-                        more, rest = calls.finish()
-                        text, deltas = text + more, deltas + rest
+                    text, deltas = _feed(tool_stream(d.index), text, d.finish_reason is not None)
                 if text:
                     delta["content"] = text
                 if deltas:
@@ -379,6 +371,17 @@ class Serving:
                 )
             )
         return [r.dump(c) for c in content]
+
+
+def _feed(stream: Any, text: str, last: bool) -> tuple[Any, Any]:
+    """The two parts (reasoning and content, or content and tool-call deltas) that `text`
+    completes in a choice's ReasoningStream or ToolCallStream; with `last` (the choice
+    ended) what the stream held back too."""
+    first, second = stream.feed(text)
+    if last:
+        more_first, more_second = stream.finish()
+        first, second = first + more_first, second + more_second
+    return first, second
 
 
 def _reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
