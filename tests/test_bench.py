@@ -284,3 +284,12 @@ def test_step_cost_times_each_output_kind_and_prompt_length(tmp_path: Path) -> N
         "delta_longest_vs_shortest",
         "final_only_longest_vs_shortest",
     }
+    assert result["config"]["penalties"] is False
+
+
+def test_step_cost_with_penalties(tmp_path: Path) -> None:
+    args = ["--streams", "4", "--prompt-lens", "20,300", "--steps", "3", "--out", str(tmp_path)]
+    assert main(["bench", "step-cost", *args, "--output-kinds", "delta", "--penalties"]) == 0
+    result = json.loads((tmp_path / "step-cost.json").read_text())
+    assert result["config"]["penalties"] is True
+    assert [r["prompt_len"] for r in result["results"]] == [20, 300]

@@ -12,7 +12,9 @@ times the scales. Checked: the activation blocks bit for bit; the integer parts 
 (scales that are powers of two make every float step exact, so the output must equal the
 reference exactly); and with ordinary scales, the output against the same sums and against
 gguf-py's dequantized weights times the dequantized activations, in float64, within 1e-5 of
-the sum of the products' magnitudes (fp32 rounding).
+the sum of the products' magnitudes (fp32 rounding). The types with a multi-row "gemm"
+method are checked the same way on it, for 1-300 rows, and its outputs equal the one-row
+"gemv" method's bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from gguf.quants import dequantize, quantize
 from ggml_blocks import random_blocks
 from pagedllm.kernels.cpu import load_cpu_ops, missing_cpu_features
 from pagedllm.kernels.gguf_blocks import (
+    GEMM_TYPES,
     KERNEL_TYPES,
     block_geometry,
     gguf_linear,
@@ -43,7 +46,18 @@ QUANT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 ACTIVATION = {T.Q4_0: "Q8_0", T.Q4_1: "Q8_1", T.Q5_0: "Q8_0", T.Q8_0: "Q8_0"}
 # (rows, input blocks, output features): no output count a multiple of a tile.
 SHAPES = ((1, 1, 1), (2, 3, 7), (5, 17, 13), (9, 2, 41))
+# The gemm method's: row counts around its groups of 4, up to 300; (6, 8, 1000) crosses
+# its tiles of weight rows (128 KiB) in every type.
+GEMM_SHAPES = ((1, 2, 3), (3, 1, 5), (4, 2, 9), (7, 3, 11), (13, 2, 6), (300, 3, 7), (6, 8, 1000))
 KERNELS = ("avx2", "vnni")
+# (ggml_type, rows, blocks, out, method): each type's one-row kernels on SHAPES, and the
+# gemm method on GEMM_SHAPES where the type has it.
+CASES = [
+    pytest.param(t, rows, blocks, out, method, id=f"{t.name}-{method}-{rows}x{blocks}x{out}")
+    for types, shapes, method in ((QUANT_TYPES, SHAPES, "gemv"), (GEMM_TYPES, GEMM_SHAPES, "gemm"))
+    for t in types
+    for rows, blocks, out in shapes
+]
 
 
 def skip_unless_runs(kernel: str) -> None:
@@ -199,17 +213,20 @@ def reference(ggml_type: T, raw: np.ndarray, x: np.ndarray) -> tuple[np.ndarray,
     return by_sums, a_deq @ w_deq.T, np.abs(a_deq) @ np.abs(w_deq).T, act_raw
 
 
-def run(ggml_type: T, raw: np.ndarray, x: np.ndarray, kernel: str) -> np.ndarray:
-    out = gguf_linear(torch.from_numpy(x), torch.from_numpy(raw), ggml_type, raw.shape[0], kernel)
+def run(
+    ggml_type: T, raw: np.ndarray, x: np.ndarray, kernel: str, method: str = "auto"
+) -> np.ndarray:
+    out = gguf_linear(
+        torch.from_numpy(x), torch.from_numpy(raw), ggml_type, raw.shape[0], kernel, method
+    )
     assert out.dtype == torch.float32 and out.shape == (x.shape[0], raw.shape[0])
     return out.numpy().astype(np.float64)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("ggml_type", QUANT_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize(("rows", "blocks", "out"), SHAPES)
+@pytest.mark.parametrize(("ggml_type", "rows", "blocks", "out", "method"), CASES)
 def test_layer_equals_dequantized_product(
-    ggml_type: T, rows: int, blocks: int, out: int, kernel: str
+    ggml_type: T, rows: int, blocks: int, out: int, method: str, kernel: str
 ) -> None:
     """Ordinary scales: the activation blocks bit for bit; the output equals the integer
     sums times the scales, and gguf-py's dequantized weights times the dequantized
@@ -222,7 +239,7 @@ def test_layer_equals_dequantized_product(
     by_sums, dequantized, magnitude, act_raw = reference(ggml_type, raw, x)
     got = quantize_activations(torch.from_numpy(x), ggml_type, kernel).numpy()
     np.testing.assert_array_equal(got, act_raw)
-    y = run(ggml_type, raw, x, kernel)
+    y = run(ggml_type, raw, x, kernel, method)
     assert np.all(np.abs(y - by_sums) <= 1e-5 * magnitude + 1e-30)
     assert np.all(np.abs(y - dequantized) <= 1e-5 * magnitude + 1e-30)
 
@@ -261,10 +278,9 @@ def exact_scales(ggml_type: T, raw: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("ggml_type", QUANT_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize(("rows", "blocks", "out"), SHAPES)
+@pytest.mark.parametrize(("ggml_type", "rows", "blocks", "out", "method"), CASES)
 def test_integer_sums_bit_for_bit(
-    ggml_type: T, rows: int, blocks: int, out: int, kernel: str
+    ggml_type: T, rows: int, blocks: int, out: int, method: str, kernel: str
 ) -> None:
     """Scales that are powers of two and activations that are small multiples of 1/64 with
     one +-127/64 per block: every float step of the kernel is exact, so its output equals
@@ -279,7 +295,34 @@ def test_integer_sums_bit_for_bit(
     ints[:, ::act_block] = rng.choice([-127, 127], (rows, k // act_block))
     x = (ints / 64).astype(np.float32)
     by_sums, *_ = reference(ggml_type, raw, x)
-    assert np.array_equal(run(ggml_type, raw, x, kernel), by_sums.astype(np.float32))
+    assert np.array_equal(run(ggml_type, raw, x, kernel, method), by_sums.astype(np.float32))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("ggml_type", GEMM_TYPES, ids=lambda t: t.name)
+def test_gemm_equals_gemv_bit_for_bit(ggml_type: T, kernel: str) -> None:
+    """Every row count from 1 to 23 (each tail of the groups of 4) and 300: the gemm
+    method's outputs are the one-row kernels' bits."""
+    skip_unless_runs(kernel)
+    k = 2 * block_geometry(ggml_type)[0]
+    raw = weight_blocks(ggml_type, 19, k, seed=11)
+    x = np.random.default_rng(12).standard_normal((300, k)).astype(np.float32)
+    for rows in (*range(1, 24), 300):
+        gemv = run(ggml_type, raw, x[:rows], kernel, "gemv")
+        assert np.array_equal(run(ggml_type, raw, x[:rows], kernel, "gemm"), gemv)
+
+
+@pytest.mark.parametrize("method", ("gemv", "gemm"))
+def test_parts_of_mixed_types(method: str) -> None:
+    """A fused layer whose parts mix types with and without a gemm method (Q4_K, Q5_K,
+    Q6_K): each part's columns equal that part alone, on either method."""
+    k, rows = 512, 11
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
+    parts = [(T.Q4_K, 5), (T.Q5_K, 3), (T.Q6_K, 7)]
+    raws = [torch.from_numpy(weight_blocks(t, out, k, seed=out)) for t, out in parts]
+    got = load_cpu_ops().gguf_linear_parts(x, raws, [int(t) for t, _ in parts], "auto", method)
+    alone = [gguf_linear(x, raws[i], t, out, "auto", "gemv") for i, (t, out) in enumerate(parts)]
+    assert torch.equal(got, torch.cat(alone, dim=1))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -354,6 +397,8 @@ def test_refuses_bad_inputs_and_kernels() -> None:
         gguf_linear(torch.zeros(1, 32), w.to(torch.int8), T.Q8_0, 1)
     with pytest.raises(ValueError, match="kernel must be 'auto', 'avx2' or 'vnni', not 'sse'"):
         gguf_linear(torch.zeros(1, 32), w, T.Q8_0, 1, "sse")
+    with pytest.raises(ValueError, match="method must be 'auto', 'gemv' or 'gemm', not 'gemmm'"):
+        gguf_linear(torch.zeros(1, 32), w, T.Q8_0, 1, "auto", "gemmm")
 
 
 def test_kernel_types_are_what_the_op_takes() -> None:

@@ -119,6 +119,25 @@ def test_sampling_and_beam_search_equal_one_rank(pair: tuple[LLM, LLM]) -> None:
     assert_pool_whole(split)
 
 
+def test_penalties_equal_one_rank(pair: tuple[LLM, LLM]) -> None:
+    """The driver samples alone: its runner keeps the penalty counts, under preemption."""
+    split, whole = pair
+    params = SamplingParams(
+        n=2,
+        temperature=0.8,
+        seed=9,
+        max_tokens=24,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.3,
+    )
+    preempted = split.engine.scheduler.num_preemptions
+    assert generate(split, PROMPTS, params) == generate(whole, PROMPTS, params)
+    assert split.engine.scheduler.num_preemptions > preempted
+    assert_pool_whole(split)
+
+
 def test_preemption_prefix_caching_and_copy_on_write(
     pair: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,7 +7,8 @@ step (scheduling, bookkeeping, outputs), and how it grows with the context: the 
 the longest context's step to the shortest's says whether anything per step costs in
 proportion to the prompt (the aim: at most 1.2x). Each output kind runs apart
 (`--output-kinds`): what the engine builds per step differs (everything so far, only the
-new tokens, or nothing until a request ends).
+new tokens, or nothing until a request ends). With `--penalties` every request carries
+repetition, frequency and presence penalties, whose rows must not carry the context.
 """
 
 from __future__ import annotations
@@ -47,13 +48,24 @@ def add_parser(sub: Any) -> None:
         default=",".join(KINDS),
         help=f"the requests' output kinds, one run each (default: {','.join(KINDS)})",
     )
+    p.add_argument(
+        "--penalties",
+        action="store_true",
+        help="requests with repetition, frequency and presence penalties",
+    )
 
 
 def step_seconds(
-    streams: int, prompt_len: int, steps: int, seed: int, kind: RequestOutputKind
+    streams: int,
+    prompt_len: int,
+    steps: int,
+    seed: int,
+    kind: RequestOutputKind,
+    penalties: bool = False,
 ) -> list[float]:
     """The wall time of each of `steps` decode steps of `streams` requests of
-    `prompt_len` random tokens and output kind `kind`, timed once every request decodes."""
+    `prompt_len` random tokens and output kind `kind` (with `penalties`: repetition,
+    frequency and presence penalties), timed once every request decodes."""
     warmup = 2  # steps after the prefill, before the timed ones
     batched = max(2048, streams)
     # The first requests decode while the last ones prefill: their tokens count too.
@@ -69,7 +81,13 @@ def step_seconds(
     )
     engine = LLMEngine(config, runner=FakeModelRunner(ModelSpec(VOCAB, max_len), token=1))
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
+    penalised = {"repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.1}
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        output_kind=kind,
+        **(penalised if penalties else {}),
+    )
     for i in range(streams):
         engine.add_request(f"s{i}", [rng.randrange(100, VOCAB) for _ in range(prompt_len)], params)
 
@@ -95,7 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.output_kinds:
         kind = RequestOutputKind[name.upper()]
         times = {
-            n: step_seconds(args.streams, n, args.steps, args.seed, kind) for n in args.prompt_lens
+            n: step_seconds(args.streams, n, args.steps, args.seed, kind, args.penalties)
+            for n in args.prompt_lens
         }
         ms = {n: 1000 * statistics.median(t) for n, t in times.items()}
         shortest = ms[args.prompt_lens[0]]
@@ -106,6 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for n, m in ms.items()
         ]
     config = {"streams": args.streams, "steps": args.steps, "block_size": BLOCK_SIZE}
+    config["penalties"] = args.penalties
     notes = [
         "LLMEngine.step() over FakeModelRunner (no model, no tokenizer): the engine's own "
         "Python per step; median of the timed decode steps, after every prompt is in",

@@ -100,12 +100,19 @@ class RowBuilder:
         self.beams = beams
         self.grammars = grammars
         self.eos_token_ids = eos_token_ids
+        # Sequences whose penalty counts the runner holds (worker/penalty_rows.py): it
+        # built them from the ids of an earlier row and drops them as it drops their tables,
+        # when the sequence ends or is preempted. Not `replaces_tables`: a prompt's row
+        # may come on a later chunk than its tables, a forked sample's row before its
+        # tables, and copy-on-write sends tables whole again with the counts intact.
+        self._counted: set[int] = set()
 
     def rows_of(
         self, step: SchedulerOutput
     ) -> tuple[StepRows, dict[str, tuple[Request, BaseException]]]:
         """The rows to draw, following the scheduled sequences that need logits in order,
         and the requests whose rows could not be built (they fail after the step)."""
+        self._counted.difference_update(step.finished_seq_ids, step.preempted_seq_ids)
         rows = StepRows()
         failed: dict[str, tuple[Request, BaseException]] = {}
         logits_row = 0
@@ -185,7 +192,10 @@ class RowBuilder:
         if n_out < params.min_tokens and grammar_row < 0:
             eos = () if params.ignore_eos else tuple(self.eos_token_ids)
             suppressed = eos + tuple(params.stop_token_ids)
-        penalties = params.has_penalties
+        # Penalties read the sequence's tokens: sent once, then counted by the runner.
+        send_ids = params.has_penalties and seq.seq_id not in self._counted
+        if send_ids:
+            self._counted.add(seq.seq_id)
         # Sample i of a seeded request draws from its own stream: reproducible whatever
         # else shares the batch.
         seed = None if params.seed is None else hash((params.seed, seq.index)) & (2**63 - 1)
@@ -194,8 +204,9 @@ class RowBuilder:
             seq_id=seq.seq_id,
             params=params,
             seed=seed,
-            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if penalties else (),
-            output_ids=seq.output_token_ids if penalties else (),
+            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if send_ids else (),
+            output_ids=seq.output_token_ids if send_ids else (),
+            runner_counts=params.has_penalties and not send_ids,
             suppressed_ids=suppressed,
             num_logprobs=params.logprobs or 0,
             grammar_row=grammar_row,

@@ -26,6 +26,14 @@ KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = (
     GGMLQuantizationType.Q6_K,
 )
 
+# The types with a "gemm" method (a multi-row kernel) in `gguf_linear`.
+GEMM_TYPES: tuple[GGMLQuantizationType, ...] = (
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+)
+
 
 def block_geometry(ggml_type: GGMLQuantizationType) -> tuple[int, int]:
     """(values per block, bytes per block) of a GGML type."""
@@ -44,10 +52,14 @@ def gguf_linear(
     ggml_type: GGMLQuantizationType,
     out_features: int,
     kernel: str = "auto",
+    method: str = "auto",
 ) -> torch.Tensor:
     """x (fp32 [rows, in]) @ W^T for W [out_features, in] stored as `weight`, its raw
-    `ggml_type` blocks (uint8). `kernel`: "auto", "avx2" or "vnni" (see kernel_build)."""
-    return load_cpu_ops().gguf_linear(x, weight, int(ggml_type), out_features, kernel)
+    `ggml_type` blocks (uint8). `kernel`: "auto", "avx2" or "vnni" (see kernel_build).
+    `method`: "gemv" (each weight block unpacked once per input row), "gemm" (once for
+    several rows, where the type has it: GEMM_TYPES) or "auto" (gemm from
+    policy.GGUF_GEMM_MIN_ROWS rows on); the outputs are the same bits."""
+    return load_cpu_ops().gguf_linear(x, weight, int(ggml_type), out_features, kernel, method)
 
 
 def quantize_activations(

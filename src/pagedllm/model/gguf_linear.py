@@ -6,7 +6,8 @@ computes x @ W^T for W stacked by rows from such parts (a fused q/k/v or gate/up
 part is multiplied where it lies (joining parts would copy them off the map, and resident
 memory would hold both). It calls the compiled `gguf_linear_parts` op
 (kernels/gguf_blocks.py), which quantizes the activations per block as llama.cpp does,
-once per kind of block, and splits all parts' rows over the threads at once; where the
+once per kind of block, unpacks each weight block once for several input rows where the
+type has a multi-row kernel, and splits all parts' rows over the threads at once; where the
 kernels do not build, it computes the same product in pure torch: activations quantized
 and dequantized the op's way, weights dequantized per call.
 `embed_rows` dequantizes only the looked-up rows of an embedding table.
@@ -109,7 +110,9 @@ class GGUFLinear(nn.Module):
         if self.kernels is not None and all(p.ggml_type in KERNEL_TYPES for p in self.parts):
             blocks = [p.blocks for p in self.parts]
             kinds = [int(p.ggml_type) for p in self.parts]
-            out = self.kernels.gguf_linear_parts(x, blocks, kinds, "auto")
+            # "auto" twice: VNNI where the CPU has it; the gemm method from
+            # policy.GGUF_GEMM_MIN_ROWS rows on (the same bits as one row at a time).
+            out = self.kernels.gguf_linear_parts(x, blocks, kinds, "auto", "auto")
         else:
             outs = [
                 F.linear(quantized_activations(x, p.ggml_type), p.dequantize()) for p in self.parts

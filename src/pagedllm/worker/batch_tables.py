@@ -3,19 +3,18 @@
 The scheduler sends each step's changes only (core/scheduler.py): a sequence new to the
 runner with its whole tables, a running one with the ids its tables gained. This mirror
 gives each live sequence a row of a preallocated table per layer group, found through a
-slot map (sequence id -> row; a freed row is reused, the lowest first, so live rows stay
-packed at the top without moving any), and applies the changes in place. Where the rows
+slot map (worker/row_slots.py), and applies the changes in place. Where the rows
 live is the store's business: plain lists for the fake runner, tensors for the real one
 (worker/input_batch.py). Plain Python: no torch.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.worker.row_slots import RowSlots
 
 
 class TableStore(Protocol):
@@ -62,11 +61,14 @@ class BatchTables:
     def __init__(self, num_groups: int, store: TableStore) -> None:
         self.num_groups = num_groups
         self.store = store
-        self.row_of: dict[int, int] = {}  # sequence id -> its row
-        self._free_rows: list[int] = []  # a heap: the lowest free row is taken first
-        self._num_rows = 0  # rows ever handed out: the top of the packed rows
+        self.slots = RowSlots()
         # lengths[g][row]: the entries of row `row`'s table in group g
         self.lengths: list[list[int]] = [[] for _ in range(num_groups)]
+
+    @property
+    def row_of(self) -> dict[int, int]:
+        """Sequence id -> its row."""
+        return self.slots.row_of
 
     def apply(self, step: SchedulerOutput) -> list[int]:
         """Drop the rows of the sequences gone, apply the step's table changes, and
@@ -102,13 +104,12 @@ class BatchTables:
 
     def drop(self, seq_id: int) -> None:
         """Free the sequence's row (nothing when it has none)."""
-        row = self.row_of.pop(seq_id, None)
+        row = self.slots.free(seq_id)
         if row is None:
             return
         for g in range(self.num_groups):
             self.store.clear(g, row, self.lengths[g][row])
             self.lengths[g][row] = 0
-        heapq.heappush(self._free_rows, row)
 
     def tables_of(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
         """The runner's copy of the sequence's tables, one per layer group (to check it
@@ -128,12 +129,7 @@ class BatchTables:
         return max(1, max((lengths[r] for r in rows), default=1))
 
     def _new_row(self, seq_id: int) -> int:
-        if self._free_rows:
-            row = heapq.heappop(self._free_rows)
-        else:
-            row = self._num_rows
-            self._num_rows += 1
-            for lengths in self.lengths:
-                lengths.append(0)
-        self.row_of[seq_id] = row
+        row = self.slots.take(seq_id)
+        for lengths in self.lengths:
+            lengths.extend([0] * (self.slots.num_rows - len(lengths)))
         return row

@@ -44,6 +44,7 @@ from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.runner import SampledTokens, SampleRow
 from pagedllm.worker.sampler import Sampler, exponential_noise, process_logits, sampling_probs
 from pagedllm.worker.spec_verify import SpecRow, position_rows
+from pagedllm.worker.token_counts import TokenCounts
 
 
 class DraftRunner(Protocol):
@@ -97,14 +98,16 @@ def draw_proposals(
     generators: Sequence[torch.Generator | None],
     shared: torch.Generator | None,
     with_q: bool = True,
+    counts: TokenCounts | None = None,
 ) -> tuple[list[int], torch.Tensor | None]:
     """One proposal per row from the draft's `logits` (row i follows rows[i]), and, with
     `with_q`, the distribution q it was drawn from ([rows, vocab]; one-hot for greedy
     rows). The verifier checks greedy rows by argmax alone: a step whose rows are all
-    greedy needs no q."""
+    greedy needs no q. `counts`: the penalties' token counts, row i's for rows[i] (None:
+    from the ids the rows carry)."""
     x = logits.float()
     if not all(Sampler._plain_greedy(r) for r in rows):
-        x = process_logits(x.clone(), rows)
+        x = process_logits(x.clone(), rows, counts=counts)
     tokens = x.argmax(dim=-1)
     greedy = [r.params.greedy for r in rows]
     if not with_q:
@@ -181,12 +184,15 @@ class DraftProposer:
         generators: Sequence[torch.Generator | None],
         tables: Sequence[torch.Tensor],
         table_len: Callable[[int], int],
+        counts: TokenCounts | None = None,
     ) -> dict[int, tuple[int, ...]]:
         """After the target drew `sampled` for `step`: bring the draft's K/V to the
         target's tokens, and draw up to `num_proposals` tokens for each row that asks.
         `tables`: the step's sequences' block tables per layer group (the target's);
-        `table_len(seq_id)`: the entries of a sequence's first table. Row -> its proposals
-        (fewer where the tables have fewer lookahead slots)."""
+        `table_len(seq_id)`: the entries of a sequence's first table; `counts`: the
+        penalties' token counts after `sampled`, row i's for rows[i] (None: no row has
+        penalties). Row -> its proposals (fewer where the tables have fewer lookahead
+        slots)."""
         cache = self.runner.kv_cache
         if cache is None:
             raise RuntimeError("init_kv_cache must run before the first step")
@@ -217,7 +223,8 @@ class DraftProposer:
         if not proposing:
             return {}
         copies = [None if (g := generators[p.index]) is None else _copy(g) for p in proposing]
-        made = self._draw(hidden[last], proposing, copies, tables)
+        after = None if counts is None else counts.take([p.index for p in proposing])
+        made = self._draw(hidden[last], proposing, copies, tables, after)
         self._proposed = {rows[p.index].seq_id: m for p, m in zip(proposing, made, strict=True)}
         return {p.index: m.tokens for p, m in zip(proposing, made, strict=True)}
 
@@ -227,10 +234,12 @@ class DraftProposer:
         proposing: list[_Proposing],
         generators: Sequence[torch.Generator | None],
         tables: Sequence[torch.Tensor],
+        counts: TokenCounts | None,
     ) -> list[_Proposed]:
         """Each proposing sequence's k proposals: the first from `hidden` (the drawn
         tokens' states), the others one draft step each, batched, over the step's
-        `tables`."""
+        `tables`. `counts`: the penalties' token counts, row i's for proposing[i]; a
+        proposal counts those drawn before it too."""
         model, cache = self.runner.model, self.runner.kv_cache
         assert cache is not None
         with_q = not all(p.row.params.greedy for p in proposing)
@@ -245,7 +254,10 @@ class DraftProposer:
                 row = proposing[a].row
                 pos_rows.append(position_rows(SpecRow(row, tokens[a], row.num_output_tokens))[-1])
             gens = [generators[a] for a in active]
-            new, q = draw_proposals(logits, pos_rows, gens, self.generator, with_q)
+            pos_counts = None
+            if counts is not None:
+                pos_counts = counts.take(active).plus([tokens[a] for a in active])
+            new, q = draw_proposals(logits, pos_rows, gens, self.generator, with_q, pos_counts)
             for m, a in enumerate(active):
                 tokens[a].append(new[m])
                 if q is not None:
@@ -272,11 +284,10 @@ class DraftProposer:
 
 
 def _next_row(row: SampleRow, drawn: list[int]) -> SampleRow:
-    """`row` as of the next step, after the step's `drawn` tokens: penalties count them,
-    and min_tokens suppression ends where it would."""
+    """`row` as of the next step, after the step's `drawn` tokens: min_tokens suppression
+    ends where it would (the runner's penalty counts hold them already)."""
     return replace(
         row,
-        output_ids=(*row.output_ids, *drawn) if row.params.has_penalties else row.output_ids,
         num_output_tokens=row.num_output_tokens + len(drawn),
         draft_token_ids=(),
     )

@@ -6,9 +6,10 @@ the prompt tokens a request scores. A row
 that checks proposed tokens (speculative decoding) keeps a deterministic number of them
 (`num_accepted`), so that runs cover both kept and rejected proposals. It keeps the
 block tables as the real runner does, from each step's changes (`tables`, the same
-BatchTables over lists), so that tests can hold them against the scheduler's. Driving
-the real LLMEngine with it gives the engine's exact block, admission and preemption
-figures at thousands of steps per second, without torch.
+BatchTables over lists), and the penalty counts (`penalties`, the same PenaltyRows over
+sets and Counters), so that tests can hold them against the scheduler's and the
+engine's. Driving the real LLMEngine with it gives the engine's exact block, admission
+and preemption figures at thousands of steps per second, without torch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.worker.batch_tables import BatchTables, ListTableStore
+from pagedllm.worker.penalty_rows import ListCountStore, PenaltyRows
 from pagedllm.worker.runner import (
     AcceptedDrafts,
     ModelSpec,
@@ -58,6 +60,10 @@ class FakeModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.num_accepted = num_accepted
         self.tables = BatchTables(1, ListTableStore(1))
+        # Penalty counts kept as the real runner keeps them, so that tests can hold them
+        # against the engine's sequences (and a row that leans on missing ones fails).
+        self.penalty_counts = ListCountStore()
+        self.penalties = PenaltyRows(self.penalty_counts)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.kv_bytes_per_token
@@ -80,6 +86,7 @@ class FakeModelRunner:
         prompt_rows: Sequence[PromptLogprobsRow] = (),
     ) -> SampledTokens:
         self.tables.apply(step)
+        self.penalties.apply(step, rows)
         # No logits to mask: a row with a grammar draws `token` like any other.
         vocab = self.spec.vocab_size
         tokens, top_ids, top_lps = [], [], []
@@ -102,7 +109,7 @@ class FakeModelRunner:
             tokens.append(token)
             top_ids.append(candidates)
             top_lps.append([-0.5 * (i + 1) for i in range(k)])  # best first
-        return SampledTokens(
+        sampled = SampledTokens(
             tokens,
             [-0.5] * len(rows),
             top_ids,
@@ -111,6 +118,8 @@ class FakeModelRunner:
             accepted,
             prompt_logprobs=[self._prompt_logprobs(r) for r in prompt_rows],
         )
+        self.penalties.add(rows, sampled)
+        return sampled
 
     def _prompt_logprobs(self, row: PromptLogprobsRow) -> PromptLogprobs:
         """Made-up scores: each target token -0.5, and the num_logprobs tokens from the

@@ -3,8 +3,10 @@
 Each step it does the copy-on-write block copies, brings its persistent batch of block
 tables up to date with the step's changes (worker/input_batch.py), builds the flat token
 batch and its AttentionMetadata, runs the forward, and samples the rows that need a token. It owns
-every tensor of the engine: weights, the paged KV pool, the sampler and the random
-generators of seeded samples (keyed by sequence id, dropped when the sequence ends).
+every tensor of the engine: weights, the paged KV pool, the sampler, the random
+generators of seeded samples (keyed by sequence id, dropped when the sequence ends) and
+the token counts of sequences with penalties (worker/penalty_rows.py: built once from
+the ids a row carries, then counting each step's kept tokens).
 It computes as its RunnerOptions say (worker/options.py), never reading the engine's
 configuration. With a draft model (worker/draft_model.py) it checks the proposals the
 draft drew after the last step against the draft's distributions, and after drawing the
@@ -40,6 +42,7 @@ from pagedllm.worker.draft_model import DraftProposer
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.options import RunnerOptions
+from pagedllm.worker.penalty_rows import PenaltyRows
 from pagedllm.worker.prompt_scoring import score_prompts
 from pagedllm.worker.runner import (
     ModelSpec,
@@ -51,6 +54,7 @@ from pagedllm.worker.runner import (
 from pagedllm.worker.sampler import Sampler
 from pagedllm.worker.spec_sampling import draw_with_proposals
 from pagedllm.worker.spec_verify import SpecVerifier
+from pagedllm.worker.token_counts import TensorCountStore
 
 logger = logging.getLogger("pagedllm")
 CALIBRATION_TEXT = Path(__file__).parents[1] / "model" / "data" / "calibration.txt"
@@ -127,6 +131,10 @@ class TorchModelRunner:
         # Speculating rows draw their unseeded noise from the sampler's generator too.
         self.verifier = SpecVerifier(self.sampler.generator)
         self._generators: dict[int, torch.Generator] = {}
+        # The sampled logits are the whole vocabulary's, also on a rank holding a share.
+        vocab = parallel.vocab_size if parallel is not None else cfg.vocab_size
+        self.count_store = TensorCountStore(vocab, self.device)
+        self.penalties = PenaltyRows(self.count_store)
         self.draft: DraftProposer | None = None
         if draft is not None:
             self._attach_draft(draft)
@@ -222,19 +230,36 @@ class TorchModelRunner:
         if self.input_batch is None:
             raise RuntimeError("init_kv_cache must run before the first step")
         tables = self.input_batch.step_tables(step)
+        count_rows = self.penalties.apply(step, rows)
+        penalised = any(r.params.has_penalties for r in rows)
+        counts = self.count_store.gather(count_rows) if penalised else None
         gens = [self._generator(r) for r in rows]
         draft_probs = self.draft.draft_probs(rows) if self.draft is not None else None
         logits, prompt_logprobs = self.forward(step, tables, prompt_rows)
         sampled = SampledTokens([], [], [], [])
         if rows:
             sampled = draw_with_proposals(
-                self.sampler, self.verifier, logits, rows, gens, draft_probs, grammar_bitmask
+                self.sampler,
+                self.verifier,
+                logits,
+                rows,
+                gens,
+                draft_probs,
+                grammar_bitmask,
+                counts,
             )
+        self.penalties.add(rows, sampled)
         if prompt_logprobs:
             sampled = replace(sampled, prompt_logprobs=prompt_logprobs)
         if self.draft is not None:
             proposals = self.draft.propose(
-                step, rows, sampled, gens, tables, self.input_batch.mirror.table_len
+                step,
+                rows,
+                sampled,
+                gens,
+                tables,
+                self.input_batch.mirror.table_len,
+                self.count_store.gather(count_rows) if penalised else None,
             )
             sampled = replace(sampled, next_proposals=proposals)
         return sampled

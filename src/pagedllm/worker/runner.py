@@ -39,7 +39,8 @@ class SampleRow:
     seq_id: int
     params: SamplingParams
     seed: int | None = None  # the sample's own seed: its draws do not depend on the batch
-    prompt_ids: tuple[int, ...] | list[int] = ()  # read only when penalties are set
+    # Penalties: the sequence's tokens, sent while the runner lacks their counts
+    prompt_ids: tuple[int, ...] | list[int] = ()
     output_ids: tuple[int, ...] | list[int] = ()
     suppressed_ids: tuple[int, ...] = ()  # EOS and stop ids while under min_tokens
     num_logprobs: int = 0
@@ -54,6 +55,9 @@ class SampleRow:
     # A runner with a draft model: after the draw, propose up to this many tokens for the
     # sequence's next step (SampledTokens.next_proposals).
     num_proposals: int = 0
+    # Penalties: the runner already counts the sequence's tokens (built from the ids of an
+    # earlier row, worker/penalty_rows.py), so this row carries none of them.
+    runner_counts: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Sampler: chooses each sample's next token from logits, vectorised over the batch.
 
-Applies, in order: min_tokens suppression, logit bias, repetition/frequency/presence penalties,
+Applies, in order: min_tokens suppression, logit bias, repetition/frequency/presence penalties
+(over token counts: the runner's, worker/token_counts.py, or built from ids the rows carry),
 the grammar masks of structured-output rows (all rows at once), temperature, top-k, top-p
 and min-p; then samples with the exponential-race trick
 (argmax of probs / Exp(1) noise), whose noise comes from the sample's own generator when
@@ -19,26 +20,18 @@ from typing import Any
 import torch
 
 from pagedllm.worker.runner import SampledTokens, SampleRow
+from pagedllm.worker.token_counts import TokenCounts
 
 
-def _pad_ids(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max((len(r) for r in rows), default=0) or 1
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-            mask[i, : len(r)] = True
-    return ids.to(device), mask.to(device)
-
-
-def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, rows: list[SampleRow], counts: TokenCounts | None = None
+) -> torch.Tensor:
+    """The rows' logits under their repetition, frequency and presence penalties, over
+    `counts` (row i's for rows[i]; None: from the ids the rows carry)."""
     device = logits.device
-    out_ids, out_mask = _pad_ids([list(r.output_ids) for r in rows], device)
-    counts = torch.zeros_like(logits).scatter_add_(1, out_ids, out_mask.float())
-    prompt_ids, prompt_mask = _pad_ids([list(r.prompt_ids) for r in rows], device)
-    in_prompt = torch.zeros_like(logits).scatter_add_(1, prompt_ids, prompt_mask.float())
-    seen = (in_prompt > 0) | (counts > 0)
+    if counts is None:
+        counts = TokenCounts.of_rows(rows, logits.shape[1], device)
+    seen = counts.in_prompt | (counts.counts > 0)
 
     def col(name: str) -> torch.Tensor:
         return torch.tensor([getattr(r.params, name) for r in rows], device=device)[:, None]
@@ -46,8 +39,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     rep = col("repetition_penalty")
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
-    logits = logits - col("frequency_penalty") * counts
-    return logits - col("presence_penalty") * (counts > 0).float()
+    logits = logits - col("frequency_penalty") * counts.counts
+    return logits - col("presence_penalty") * (counts.counts > 0).float()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -63,12 +56,16 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def process_logits(
-    logits: torch.Tensor, rows: Sequence[SampleRow], grammar_bitmask: Any = None
+    logits: torch.Tensor,
+    rows: Sequence[SampleRow],
+    grammar_bitmask: Any = None,
+    counts: TokenCounts | None = None,
 ) -> torch.Tensor:
     """The rows' logits after min_tokens suppression, logit bias, penalties and grammar
     masks (row i of `logits` follows rows[i]; a row's `grammar_row` names its row of
-    `grammar_bitmask`); writes into `logits` (float32, the caller's own copy) and returns
-    it, or a new tensor where penalties apply."""
+    `grammar_bitmask`; `counts`, the penalties' token counts, row i's for rows[i], None:
+    from the ids the rows carry); writes into `logits` (float32, the caller's own copy)
+    and returns it, or a new tensor where penalties apply."""
     rows = list(rows)
     device = logits.device
     suppressed = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_ids]
@@ -80,7 +77,7 @@ def process_logits(
         bi, bt, bv = zip(*biased, strict=True)
         logits[list(bi), list(bt)] += torch.tensor(bv, dtype=logits.dtype, device=device)
     if any(r.params.has_penalties for r in rows):
-        logits = apply_penalties(logits, rows)
+        logits = apply_penalties(logits, rows, counts)
     grammars = [(i, r.grammar_row) for i, r in enumerate(rows) if r.grammar_row >= 0]
     if grammars:
         if grammar_bitmask is None:
@@ -156,19 +153,21 @@ class Sampler:
         rows: Sequence[SampleRow],
         generators: Sequence[torch.Generator | None] | None = None,
         grammar_bitmask: Any = None,
+        counts: TokenCounts | None = None,
     ) -> SampledTokens:
-        """Draw one token per row; `generators[i]` (if any) supplies row i's noise, and
-        `grammar_bitmask` the tokens of rows with a grammar_row. If the batch fails, each
-        row is drawn alone, and a row that fails alone is reported in `row_errors`: the
-        other rows draw exactly what they would have (a seeded row from its generator as
-        it was before the failed attempt)."""
+        """Draw one token per row; `generators[i]` (if any) supplies row i's noise,
+        `grammar_bitmask` the tokens of rows with a grammar_row, and `counts` (row i's
+        for rows[i]; None: from the ids the rows carry) the tokens penalties read. If the
+        batch fails, each row is drawn alone, and a row that fails alone is reported in
+        `row_errors`: the other rows draw exactly what they would have (a seeded row from
+        its generator as it was before the failed attempt)."""
         rows = list(rows)
         gens = list(generators) if generators is not None else [None] * len(rows)
         states = [g.get_state() if g is not None else None for g in gens]
         try:
-            return self._draw(logits, rows, gens, grammar_bitmask)
+            return self._draw(logits, rows, gens, grammar_bitmask, counts)
         except Exception:
-            return self._draw_each(logits, rows, gens, states, grammar_bitmask)
+            return self._draw_each(logits, rows, gens, states, grammar_bitmask, counts)
 
     def _draw_each(
         self,
@@ -177,13 +176,15 @@ class Sampler:
         gens: list[torch.Generator | None],
         states: list[torch.Tensor | None],
         grammar_bitmask: Any,
+        counts: TokenCounts | None,
     ) -> SampledTokens:
         out = SampledTokens([], [], [], [], {})
         for i, (row, gen, state) in enumerate(zip(rows, gens, states, strict=True)):
             if gen is not None and state is not None:
                 gen.set_state(state)
             try:
-                one = self._draw(logits, [row], [gen], grammar_bitmask)
+                alone = None if counts is None else counts.take([i])
+                one = self._draw(logits, [row], [gen], grammar_bitmask, alone)
             except Exception as exc:
                 one = SampledTokens([0], [0.0], [[]], [[]])
                 out.row_errors[i] = f"{type(exc).__name__}: {exc}"
@@ -199,6 +200,7 @@ class Sampler:
         rows: list[SampleRow],
         gens: list[torch.Generator | None],
         grammar_bitmask: Any,
+        counts: TokenCounts | None,
     ) -> SampledTokens:
         device = logits.device
         given = logits
@@ -211,7 +213,7 @@ class Sampler:
         if logits is given:  # the filters below write into it: never into the caller's
             logits = logits.clone()
         raw_logprobs = logits.log_softmax(dim=-1)
-        logits = process_logits(logits, rows, grammar_bitmask)
+        logits = process_logits(logits, rows, grammar_bitmask, counts)
 
         tokens = logits.argmax(dim=-1)
         greedy = [r.params.greedy for r in rows]

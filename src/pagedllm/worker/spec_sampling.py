@@ -18,6 +18,7 @@ import torch
 from pagedllm.worker.runner import AcceptedDrafts, SampledTokens, SampleRow
 from pagedllm.worker.sampler import Sampler
 from pagedllm.worker.spec_verify import SpecRow, SpecVerifier
+from pagedllm.worker.token_counts import TokenCounts
 
 
 def draw_with_proposals(
@@ -28,15 +29,17 @@ def draw_with_proposals(
     generators: Sequence[torch.Generator | None],
     draft_probs: torch.Tensor | None = None,
     grammar_bitmask: Any = None,
+    counts: TokenCounts | None = None,
 ) -> SampledTokens:
     """Each row's token from `logits`; a row with `draft_token_ids` first keeps its
     accepted proposals (in `accepted`), then takes the verifier's own token.
     `draft_probs`: the distribution each proposal was drawn from ([proposals of the
     speculating rows in order, vocab]); None: one-hot, as for n-gram proposals.
-    `grammar_bitmask`: the grammar rows' (they do not speculate)."""
+    `grammar_bitmask`: the grammar rows' (they do not speculate). `counts`: the
+    penalties' token counts, row i's for rows[i] (None: from the ids the rows carry)."""
     spec = [i for i, r in enumerate(rows) if r.draft_token_ids]
     if not spec:
-        return sampler(logits, rows, generators, grammar_bitmask)
+        return sampler(logits, rows, generators, grammar_bitmask, counts)
     plain = [i for i, r in enumerate(rows) if not r.draft_token_ids]
     n = len(rows)
     token_ids, logprobs = [0] * n, [0.0] * n
@@ -46,7 +49,11 @@ def draw_with_proposals(
     accepted: dict[int, AcceptedDrafts] = {}
     if plain:
         drawn = sampler(
-            logits, [rows[i] for i in plain], [generators[i] for i in plain], grammar_bitmask
+            logits,
+            [rows[i] for i in plain],
+            [generators[i] for i in plain],
+            grammar_bitmask,
+            None if counts is None else counts.take(plain),
         )
         for j, i in enumerate(plain):
             token_ids[i], logprobs[i] = drawn.token_ids[j], drawn.logprobs[j]
@@ -58,6 +65,7 @@ def draw_with_proposals(
         [SpecRow(rows[i], rows[i].draft_token_ids, rows[i].num_output_tokens) for i in spec],
         draft_probs,
         [generators[i] for i in spec],
+        None if counts is None else counts.take(spec),
     )
     for j, i in enumerate(spec):
         if j in verified.row_errors:

@@ -35,6 +35,7 @@ import torch
 
 from pagedllm.worker.runner import SampleRow
 from pagedllm.worker.sampler import Sampler, process_logits, sampling_probs
+from pagedllm.worker.token_counts import TokenCounts
 
 
 @dataclass(frozen=True)
@@ -67,18 +68,24 @@ class VerifiedTokens:
 
 
 def position_rows(row: SpecRow) -> list[SampleRow]:
-    """The sampler's row for each of `row`'s k+1 positions: penalties see the proposals
-    before the position as output, and min_tokens suppression ends where it would."""
-    s, p, draft = row.sample, row.sample.params, tuple(row.draft_token_ids)
+    """The sampler's row for each of `row`'s k+1 positions: min_tokens suppression ends
+    where it would (penalties see the proposals before each position: position_counts)."""
+    s, p = row.sample, row.sample.params
     return [
         replace(
             s,
             logits_row=s.logits_row + j,
-            output_ids=(*s.output_ids, *draft[:j]) if p.has_penalties else s.output_ids,
             suppressed_ids=s.suppressed_ids if row.num_output_tokens + j < p.min_tokens else (),
         )
-        for j in range(len(draft) + 1)
+        for j in range(len(row.draft_token_ids) + 1)
     ]
+
+
+def position_counts(counts: TokenCounts, drafts: Sequence[Sequence[int]]) -> TokenCounts:
+    """The penalties' counts at each position of rows that check `drafts` (row i's
+    counts are counts' row i): a position counts the proposals before it as output."""
+    index = [i for i, d in enumerate(drafts) for _ in range(len(d) + 1)]
+    return counts.take(index).plus([d[:j] for d in drafts for j in range(len(d) + 1)])
 
 
 class SpecVerifier:
@@ -92,18 +99,21 @@ class SpecVerifier:
         rows: Sequence[SpecRow],
         draft_probs: torch.Tensor | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        counts: TokenCounts | None = None,
     ) -> VerifiedTokens:
         """Verify `rows` against `logits` ([rows of the step, vocab]). `draft_probs`
         ([sum of k_i, vocab], the rows' proposals in order) is the distribution each
-        proposal was drawn from; None means one-hot (n-gram). If the batch fails, each
-        row is verified alone, and a row that fails alone goes to `row_errors`."""
+        proposal was drawn from; None means one-hot (n-gram). `counts`: the penalties'
+        token counts before the step, row i's for rows[i] (None: from the ids the rows'
+        samples carry). If the batch fails, each row is verified alone, and a row that
+        fails alone goes to `row_errors`."""
         rows = list(rows)
         gens = list(generators) if generators is not None else [None] * len(rows)
         states = [g.get_state() if g is not None else None for g in gens]
         try:
-            return self._verify(logits, rows, draft_probs, gens)
+            return self._verify(logits, rows, draft_probs, gens, counts)
         except Exception:
-            return self._verify_each(logits, rows, draft_probs, gens, states)
+            return self._verify_each(logits, rows, draft_probs, gens, states, counts)
 
     def _verify_each(
         self,
@@ -112,6 +122,7 @@ class SpecVerifier:
         draft_probs: torch.Tensor | None,
         gens: list[torch.Generator | None],
         states: list[torch.Tensor | None],
+        counts: TokenCounts | None,
     ) -> VerifiedTokens:
         out = VerifiedTokens([], [], [], [], {})
         offset = 0
@@ -121,7 +132,8 @@ class SpecVerifier:
                 gen.set_state(state)
             try:
                 q = None if draft_probs is None else draft_probs[offset : offset + k]
-                one = self._verify(logits, [row], q, [gen])
+                alone = None if counts is None else counts.take([i])
+                one = self._verify(logits, [row], q, [gen], alone)
             except Exception as exc:
                 one = VerifiedTokens([[]], [[]], [[]], [[]])
                 out.row_errors[i] = f"{type(exc).__name__}: {exc}"
@@ -138,6 +150,7 @@ class SpecVerifier:
         rows: list[SpecRow],
         draft_probs: torch.Tensor | None,
         gens: list[torch.Generator | None],
+        counts: TokenCounts | None = None,
     ) -> VerifiedTokens:
         device = logits.device
         if not rows:
@@ -163,7 +176,12 @@ class SpecVerifier:
             x = x.clone()
         raw_logprobs = None if plain else x.log_softmax(dim=-1)
         if not plain:
-            x = process_logits(x, pos_rows)
+            pos_counts = None
+            if any(r.sample.params.has_penalties for r in rows):
+                if counts is None:
+                    counts = TokenCounts.of_rows([r.sample for r in rows], x.shape[1], device)
+                pos_counts = position_counts(counts, drafts)
+            x = process_logits(x, pos_rows, counts=pos_counts)
         target = x.argmax(dim=-1)
         sampled = [not r.sample.params.greedy for r in rows]
         probs = sampling_probs(x, pos_rows) if any(sampled) else None

@@ -145,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> gguf_decoder_layers(
       const size_t i = 4 * l + which;
       const int64_t n = parts[i];
       at::Tensor y = pagedllm::gguf_linear_parts(x, weights.slice(first[i], n),
-                                                 ggml_types.slice(first[i], n), "auto");
+                                                 ggml_types.slice(first[i], n), "auto", "auto");
       if (which == 0 && bias.numel() > 0) y.add_(bias);
       return y;
     };

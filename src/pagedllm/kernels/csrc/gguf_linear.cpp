@@ -9,6 +9,12 @@
 // once. F16 and BF16 weights are converted to fp32 eight at a time and multiply the fp32
 // inputs directly. The kernels exist twice, for AVX2 and for AVX-512 VNNI (the same source
 // under another target); "auto" takes VNNI where cpu_features.h says so.
+//
+// With many input rows (prompt chunks, batched decode) the Q4_K, Q6_K, Q8_0 and Q4_1 weights
+// take the "gemm" method (ggml_x86_gemm.h): each weight block is unpacked once for
+// kRowsAtOnce input rows, over tiles of weight rows that stay in cache while every group of
+// input rows passes. Its outputs equal the one-row "gemv" method's bit for bit; "auto" picks
+// it from PAGEDLLM_GGUF_GEMM_MIN_ROWS input rows on (kernels/policy.py, passed by the build).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,6 +37,7 @@
 
 namespace pagedllm::gguf_avx2 {
 #include "ggml_x86_quants.h"
+#include "ggml_x86_gemm.h"
 }  // namespace pagedllm::gguf_avx2
 
 #pragma GCC push_options
@@ -38,6 +45,7 @@ namespace pagedllm::gguf_avx2 {
 #define PAGEDLLM_GGML_VNNI
 namespace pagedllm::gguf_vnni {
 #include "ggml_x86_quants.h"
+#include "ggml_x86_gemm.h"
 }  // namespace pagedllm::gguf_vnni
 #undef PAGEDLLM_GGML_VNNI
 #pragma GCC pop_options
@@ -47,10 +55,24 @@ namespace {
 
 using QuantizeRow = void (*)(const float* x, void* blocks, int64_t k);
 using BlockDot = float (*)(int n, const void* weight_row, const void* activation_row);
+// out[r * out_stride] = weight row . activation row r for r < rows (1..kRowsAtOnce).
+using RowsDot = void (*)(int n, const void* weight_row, const uint8_t* activations,
+                         int64_t activation_stride, int rows, float* out, int64_t out_stride);
+
+#ifndef PAGEDLLM_GGUF_GEMM_MIN_ROWS
+#error "PAGEDLLM_GGUF_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
+#endif
+constexpr int64_t kGemmMinRows = PAGEDLLM_GGUF_GEMM_MIN_ROWS;
+static_assert(gguf_avx2::kRowsAtOnce == gguf_vnni::kRowsAtOnce, "one tiling for both builds");
+constexpr int64_t kRowsAtOnce = gguf_avx2::kRowsAtOnce;
+// Bytes of weight rows one tile of the gemm method holds: read from memory once, then from
+// the L2 cache by every group of input rows.
+constexpr int64_t kWeightTileBytes = 128 * 1024;
 
 struct BlockKernels {
   QuantizeRow quantize;  // nullptr: F16/BF16, the fp32 input is used as it is
   BlockDot dot;
+  RowsDot rows = nullptr;  // nullptr: no gemm method for the type
 };
 
 // One GGML type: its id in GGUF files, values and bytes per block, the bytes per block of
@@ -82,19 +104,28 @@ float dot_fp(int n, const void* weight_row, const void* activation_row) {
 
 #define PAGEDLLM_BLOCK_KERNELS(quantize, dot) \
   {gguf_avx2::quantize, gguf_avx2::dot}, { gguf_vnni::quantize, gguf_vnni::dot }
+#define PAGEDLLM_GEMM_KERNELS(quantize, dot, rows, block)                          \
+  {gguf_avx2::quantize, gguf_avx2::dot, gguf_avx2::rows_dot<gguf_avx2::rows, block>}, { \
+    gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::rows_dot<gguf_vnni::rows, block>    \
+  }
 
 const GgufType kTypes[] = {
     {1, "F16", 1, 2, 4, {nullptr, dot_fp<c10::Half>}, {nullptr, dot_fp<c10::Half>}},
     {30, "BF16", 1, 2, 4, {nullptr, dot_fp<c10::BFloat16>}, {nullptr, dot_fp<c10::BFloat16>}},
     {2, "Q4_0", 32, 18, 34, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0)},
-    {3, "Q4_1", 32, 20, 36, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_1, vec_dot_q4_1_q8_1)},
+    {3, "Q4_1", 32, 20, 36,
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_1, vec_dot_q4_1_q8_1, RowsQ4_1, ggml::block_q8_1)},
     {6, "Q5_0", 32, 22, 34, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0)},
-    {8, "Q8_0", 32, 34, 34, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_0, vec_dot_q8_0_q8_0)},
-    {12, "Q4_K", 256, 144, 292, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_K, vec_dot_q4_K_q8_K)},
+    {8, "Q8_0", 32, 34, 34,
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q8_0_q8_0, RowsQ8_0, ggml::block_q8_0)},
+    {12, "Q4_K", 256, 144, 292,
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q4_K_q8_K, RowsQ4K, ggml::block_q8_K)},
     {13, "Q5_K", 256, 176, 292, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K)},
-    {14, "Q6_K", 256, 210, 292, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_K, vec_dot_q6_K_q8_K)},
+    {14, "Q6_K", 256, 210, 292,
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q6_K_q8_K, RowsQ6K, ggml::block_q8_K)},
 };
 #undef PAGEDLLM_BLOCK_KERNELS
+#undef PAGEDLLM_GEMM_KERNELS
 
 const GgufType& gguf_type(int64_t id) {
   for (const GgufType& t : kTypes)
@@ -114,6 +145,14 @@ std::string gguf_kernel(const std::string& kernel) {
 }
 
 namespace {
+
+// Whether `rows` input rows take the gemm method: "gemv" (one input row at a time), "gemm"
+// (where the type has it) or "auto" (gemm from kGemmMinRows rows on).
+bool use_gemm(const std::string& method, int64_t rows) {
+  TORCH_CHECK_VALUE(method == "auto" || method == "gemv" || method == "gemm",
+                    "method must be 'auto', 'gemv' or 'gemm', not '", method, "'");
+  return method == "gemm" || (method == "auto" && rows >= kGemmMinRows);
+}
 
 const BlockKernels& kernels_for(const GgufType& type, const std::string& kernel) {
   return gguf_kernel(kernel) == "vnni" ? type.vnni : type.avx2;
@@ -151,11 +190,29 @@ struct Part {
   int64_t activation_row_bytes;
 };
 
+// Output features [lo, hi) of part p, kRowsAtOnce input rows at a time: each tile of weight
+// rows is multiplied with every group of input rows while it stays in cache.
+void multiply_tiles(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t k,
+                    int64_t total, float* out) {
+  const int64_t tile = std::max<int64_t>(1, kWeightTileBytes / p.row_bytes);
+  for (int64_t j0 = lo; j0 < hi; j0 += tile) {
+    const int64_t j1 = std::min(hi, j0 + tile);
+    for (int64_t r = 0; r < rows; r += kRowsAtOnce) {
+      const int group = static_cast<int>(std::min(kRowsAtOnce, rows - r));
+      const uint8_t* activations = p.activations + r * p.activation_row_bytes;
+      for (int64_t j = j0; j < j1; ++j)
+        p.kernels->rows(static_cast<int>(k), p.weight + (j - p.first_column) * p.row_bytes,
+                        activations, p.activation_row_bytes, group, out + r * total + j, total);
+    }
+  }
+}
+
 // x [rows, k] @ the parts' rows^T, stacked, into out [rows, sum of the parts' rows]: the
 // activations are quantized once per kind of block, and the output features of all parts
-// are split over the threads in one parallel region.
+// are split over the threads in one parallel region; `gemm`: the parts whose type has the
+// gemm method take it.
 void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& parts,
-                    float* out) {
+                    float* out, bool gemm) {
   std::vector<std::pair<QuantizeRow, std::vector<uint8_t>>> quantized;
   int64_t total = 0, widest_row = 1;
   for (Part& p : parts) {
@@ -180,6 +237,10 @@ void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& 
     for (const Part& p : parts) {
       const int64_t lo = std::max(begin, p.first_column);
       const int64_t hi = std::min(end, p.first_column + p.rows);
+      if (gemm && p.kernels->rows != nullptr) {
+        multiply_tiles(p, lo, hi, rows, k, total, out);
+        continue;
+      }
       const BlockDot dot = p.kernels->dot;
       for (int64_t j = lo; j < hi; ++j) {
         const uint8_t* w = p.weight + (j - p.first_column) * p.row_bytes;
@@ -210,7 +271,8 @@ Part weight_part(const at::Tensor& weight, const GgufType& type, const std::stri
 // a uint8 [its rows, bytes per row] tensor of `ggml_types[i]` blocks (a fused q/k/v or
 // gate/up whose parts the file stores apart, possibly in different types).
 at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
-                             at::IntArrayRef ggml_types, const std::string& kernel) {
+                             at::IntArrayRef ggml_types, const std::string& kernel,
+                             const std::string& method) {
   TORCH_CHECK_VALUE(!weights.empty() && weights.size() == ggml_types.size(), "got ",
                     weights.size(), " weights and ", ggml_types.size(), " types");
   const at::Tensor xc = x.contiguous();
@@ -224,24 +286,27 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
     total += weights[i].size(0);
   }
   const int64_t rows = xc.size(0);
+  const bool gemm = use_gemm(method, rows);
   at::Tensor out = at::empty({rows, total}, xc.options());
   if (rows > 0 && total > 0)
-    multiply_parts(xc.data_ptr<float>(), rows, xc.size(1), parts, out.data_ptr<float>());
+    multiply_parts(xc.data_ptr<float>(), rows, xc.size(1), parts, out.data_ptr<float>(), gemm);
   return out;
 }
 
 // x [rows, in] fp32 @ the weight's [out_features, in] values^T -> fp32 [rows, out_features];
 // `weight` holds the raw blocks, out_features rows of in / block * bytes bytes each.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type,
-                       int64_t out_features, const std::string& kernel) {
+                       int64_t out_features, const std::string& kernel,
+                       const std::string& method) {
   const GgufType& type = gguf_type(ggml_type);
   const at::Tensor xc = x.contiguous();
   const int64_t k = input_width(xc, type);
   std::vector<Part> parts{weight_part(weight, type, kernel, k, out_features, 0)};
   const int64_t rows = xc.size(0);
+  const bool gemm = use_gemm(method, rows);
   at::Tensor out = at::empty({rows, out_features}, xc.options());
   if (rows > 0 && out_features > 0)
-    multiply_parts(xc.data_ptr<float>(), rows, k, parts, out.data_ptr<float>());
+    multiply_parts(xc.data_ptr<float>(), rows, k, parts, out.data_ptr<float>(), gemm);
   return out;
 }
 
@@ -267,10 +332,10 @@ at::Tensor gguf_quantize_activations(const at::Tensor& x, int64_t ggml_type,
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
       "gguf_linear(Tensor x, Tensor weight, int ggml_type, int out_features, "
-      "str kernel='auto') -> Tensor");
+      "str kernel='auto', str method='auto') -> Tensor");
   m.def(
-      "gguf_linear_parts(Tensor x, Tensor[] weights, int[] ggml_types, str kernel='auto') -> "
-      "Tensor");
+      "gguf_linear_parts(Tensor x, Tensor[] weights, int[] ggml_types, str kernel='auto', "
+      "str method='auto') -> Tensor");
   m.def("gguf_quantize_activations(Tensor x, int ggml_type, str kernel='auto') -> Tensor");
   m.def("gguf_kernel(str kernel='auto') -> str", &pagedllm::gguf_kernel);
 }

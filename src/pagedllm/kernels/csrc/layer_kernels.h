@@ -27,7 +27,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const 
 
 // gguf_linear.cpp
 at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
-                             at::IntArrayRef ggml_types, const std::string& kernel);
+                             at::IntArrayRef ggml_types, const std::string& kernel,
+                             const std::string& method);
 
 // paged_attention.cpp
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key,

@@ -1,0 +1,207 @@
+// Several activation rows at once: one weight row of Q4_K, Q6_K, Q8_0 or Q4_1 blocks times
+// R (1..kRowsAtOnce) rows of activation blocks, each weight block loaded and unpacked once
+// for all R rows (its nibbles, high bits and scales), where ggml_x86_quants.h's dot
+// products unpack it once per row.
+//
+// Each row's arithmetic is the one-row function's, step for step (the same int32 sums, the
+// same fp32 lanes summed in the same order), so the outputs equal the one-row kernels' bit
+// for bit; only the loop over rows moved inside the loop over blocks.
+//
+// Included by gguf_linear.cpp right after ggml_x86_quants.h, in the same namespaces (AVX2,
+// and AVX-512 VNNI where mul_sum_us8_pairs_float uses `dpbusd`), so no include guard.
+// Derived from ggml v0.20.2's ggml_vec_dot_* (MIT license, notice in ggml_x86_quants.h).
+
+// Activation rows per pass: R rows' accumulators and the unpacked block fit in the 16
+// vector registers of AVX2.
+static constexpr int kRowsAtOnce = 4;
+
+template <typename Block>
+struct ActivationRows {
+  const uint8_t* first;
+  int64_t stride;  // bytes from one row's blocks to the next's
+  const Block* operator[](int r) const { return reinterpret_cast<const Block*>(first + r * stride); }
+};
+
+struct RowsQ4K {
+  template <int R>
+  static void run(int n, const void* vx, ActivationRows<block_q8_K> ys, float* out,
+                  int64_t out_stride) {
+    const block_q4_K* x = static_cast<const block_q4_K*>(vx);
+    const int nb = n / QK_K;
+    uint32_t utmp[4];
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[R];
+    __m128 acc_m[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), acc_m[r] = _mm_setzero_ps();
+
+    for (int i = 0; i < nb; ++i) {
+      const float xd = fp16_to_fp32(x[i].d), xdmin = fp16_to_fp32(x[i].dmin);
+      unpack_scales_mins_k4(x[i].scales, utmp);
+      const __m256i mins_and_scales =
+          _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+      const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
+      for (int r = 0; r < R; ++r) {
+        const block_q8_K& y = ys[r][i];
+        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
+        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
+                                           _mm256_extracti128_si256(q8sums, 1));
+        const __m128i prod = _mm_madd_epi16(mins, q8s);
+        acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-y.d * xdmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+      }
+      const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+      const __m256i scales = _mm256_set_m128i(sc128, sc128);
+
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      for (int j = 0; j < QK_K / 64; ++j) {
+        const __m256i scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 0));
+        const __m256i scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
+        const __m256i q4bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qs) + j);
+        const __m256i q4l = _mm256_and_si256(q4bits, m4);
+        const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+        for (int r = 0; r < R; ++r) {
+          const __m256i* q8 = reinterpret_cast<const __m256i*>(ys[r][i].qs) + 2 * j;
+          const __m256i p16l = _mm256_madd_epi16(
+              scale_l, _mm256_maddubs_epi16(q4l, _mm256_loadu_si256(q8)));
+          const __m256i p16h = _mm256_madd_epi16(
+              scale_h, _mm256_maddubs_epi16(q4h, _mm256_loadu_si256(q8 + 1)));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16l, p16h));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ys[r][i].d * xd), _mm256_cvtepi32_ps(sumi[r]),
+                                 acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
+      m = _mm_add_ss(m, _mm_movehdup_ps(m));
+      out[r * out_stride] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
+    }
+  }
+};
+
+struct RowsQ6K {
+  template <int R>
+  static void run(int n, const void* vx, ActivationRows<block_q8_K> ys, float* out,
+                  int64_t out_stride) {
+    const block_q6_K* x = static_cast<const block_q6_K*>(vx);
+    const int nb = n / QK_K;
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m15 = _mm256_set1_epi8(15);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+
+    for (int i = 0; i < nb; ++i) {
+      const float xd = fp16_to_fp32(x[i].d);
+      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[i].scales));
+      const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+
+      for (int j = 0; j < QK_K / 128; ++j) {
+        const __m256i* q4 = reinterpret_cast<const __m256i*>(x[i].ql) + 2 * j;
+        const __m256i q4bits1 = _mm256_loadu_si256(q4);
+        const __m256i q4bits2 = _mm256_loadu_si256(q4 + 1);
+        const __m256i q4bitsH =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qh) + j);
+
+        const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
+        const __m256i q4h_1 =
+            _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
+        const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
+        const __m256i q4h_3 =
+            _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
+        const __m256i q6[4] = {
+            _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
+            _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3),
+        };
+        __m256i scale[4];
+        for (int s = 0; s < 4; ++s)
+          scale[s] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(4 * j + s)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i* q8 = reinterpret_cast<const __m256i*>(ys[r][i].qs) + 4 * j;
+          __m256i p16[4];
+          for (int s = 0; s < 4; ++s)
+            p16[s] = _mm256_madd_epi16(
+                scale[s], _mm256_maddubs_epi16(q6[s], _mm256_loadu_si256(q8 + s)));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16[0], p16[1]));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16[2], p16[3]));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const block_q8_K& y = ys[r][i];
+        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
+        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+        const float d = y.d * xd;
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d),
+                                 _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], q8sclsub)), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum_float_8(acc[r]);
+  }
+};
+
+struct RowsQ8_0 {
+  template <int R>
+  static void run(int n, const void* vx, ActivationRows<block_q8_0> ys, float* out,
+                  int64_t out_stride) {
+    const block_q8_0* x = static_cast<const block_q8_0*>(vx);
+    const int nb = n / QK8_0;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int ib = 0; ib < nb; ++ib) {
+      const float xd = fp16_to_fp32(x[ib].d);
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[ib].qs));
+      const __m256i ax = _mm256_sign_epi8(qx, qx);  // |x|, and y takes x's signs
+      for (int r = 0; r < R; ++r) {
+        const block_q8_0& y = ys[r][ib];
+        const __m256 d = _mm256_set1_ps(xd * fp16_to_fp32(y.d));
+        const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.qs));
+        const __m256 q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+        acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum_float_8(acc[r]);
+  }
+};
+
+struct RowsQ4_1 {
+  template <int R>
+  static void run(int n, const void* vx, ActivationRows<block_q8_1> ys, float* out,
+                  int64_t out_stride) {
+    const block_q4_1* x = static_cast<const block_q4_1*>(vx);
+    const int nb = n / QK8_1;
+    __m256 acc[R];
+    float summs[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), summs[r] = 0;
+    for (int ib = 0; ib < nb; ++ib) {
+      const float d0 = fp16_to_fp32(x[ib].d), m = fp16_to_fp32(x[ib].m);
+      const __m256i qx = bytes_from_nibbles_32(x[ib].qs);
+      for (int r = 0; r < R; ++r) {
+        const block_q8_1& y = ys[r][ib];
+        const float d1 = fp16_to_fp32(y.d);
+        summs[r] += m * (d1 * y.sum);  // exact in fp32, as in vec_dot_q4_1_q8_1
+        const __m256 d0d1 = _mm256_mul_ps(_mm256_set1_ps(d0), _mm256_set1_ps(d1));
+        const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.qs));
+        acc[r] = _mm256_fmadd_ps(d0d1, mul_sum_us8_pairs_float(qx, qy), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum_float_8(acc[r]) + summs[r];
+  }
+};
+
+// out[r * out_stride] = weight row . activation row r, for r < rows (1..kRowsAtOnce).
+template <typename Kernel, typename Block>
+static void rows_dot(int n, const void* weight_row, const uint8_t* activations,
+                     int64_t activation_stride, int rows, float* out, int64_t out_stride) {
+  const ActivationRows<Block> ys{activations, activation_stride};
+  static_assert(kRowsAtOnce == 4, "one case per row count");
+  switch (rows) {
+    case 4: return Kernel::template run<4>(n, weight_row, ys, out, out_stride);
+    case 3: return Kernel::template run<3>(n, weight_row, ys, out, out_stride);
+    case 2: return Kernel::template run<2>(n, weight_row, ys, out, out_stride);
+    default: return Kernel::template run<1>(n, weight_row, ys, out, out_stride);
+  }
+}
