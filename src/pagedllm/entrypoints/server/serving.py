@@ -215,7 +215,7 @@ class Serving:
         s = await self.start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
         k = req.logprobs
         n = s.params.n
-        echo = Echo(req.prompts(), self.engine.tokenizer, req.scores_prompt_only)
+        echo = Echo(await self._prompt_texts(req) if req.echo else [], req.scores_prompt_only)
 
         def deltas(position: int, out: RequestOutput) -> list[Delta]:
             found = choice_deltas(out, position * n)
@@ -252,6 +252,15 @@ class Serving:
                 f"{limit} in one request",
             )
         return prompts
+
+    async def _prompt_texts(self, req: CompletionRequest) -> list[str]:
+        """Each prompt's text, to echo: a prompt of token ids decoded (special tokens
+        kept) on the tokenizer thread; without a tokenizer, empty."""
+        has_tokenizer = self.engine.tokenizer is not None
+        return [
+            p if isinstance(p, str) else (await self.encoder.decode(p) if has_tokenizer else "")
+            for p in req.prompts()
+        ]
 
     def _completion_logprobs(self, d: Delta, k: int) -> dict[str, Any]:
         out = r.CompletionLogProbs()
