@@ -88,7 +88,7 @@ def test_prompt_logits_are_computed_a_few_rows_at_a_time(
 ) -> None:
     """A chunk of 16 prompt positions under a limit of 5 rows: logits of at most 5 rows at
     once, and the same values."""
-    monkeypatch.setattr("pagedllm.worker.model_runner.PROMPT_LOGITS_ROWS", 5)
+    monkeypatch.setattr("pagedllm.worker.prompt_scoring.PROMPT_LOGITS_ROWS", 5)
     llm = LLM(str(tiny_llama_dir), block_size=4, max_num_batched_tokens=16, quantization="none")
     model = llm.engine.runner.model
     compute_logits = model.compute_logits

@@ -339,6 +339,11 @@ def post(server: LiveServer, **body: Any) -> httpx.Response:
             "input[0].arguments",
         ),
         ({"input": []}, "input"),
+        # reasoning items stay out of the prompt: the count alone is refused
+        ({"input": [{"type": "reasoning"}] * 2048 + [{"role": "user", "content": "x"}]}, "input"),
+        ({"input": "x", "tools": [WEATHER] * 129}, "tools"),
+        ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": "x", "tools": [{**WEATHER, "name": "a b"}]}, "tools[0].name"),
         ({"input": "x", "tools": [{**WEATHER, "parameters": {}}]}, "tools[0].parameters"),

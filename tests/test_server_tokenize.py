@@ -210,6 +210,8 @@ def test_tokenizer_route_errors_name_the_field(keyed: LiveServer) -> None:
         param="tools[0]",
     )
     check_error(post(keyed, "/tokenize", {"prompt": "x", "tools": TOOLS}), 400, param="tools")
+    many = {"messages": [{"role": "user", "content": "x"}] * 2049}
+    check_error(post(keyed, "/tokenize", many), 400, param="messages", words=("2048",))
     check_error(
         post(keyed, "/tokenize", {"model": "gpt-4", "prompt": "x"}),
         404,

@@ -11,8 +11,8 @@ It computes as its RunnerOptions say (worker/options.py), never reading the engi
 configuration. With a draft model (worker/draft_model.py) it checks the proposals the
 draft drew after the last step against the draft's distributions, and after drawing the
 step's tokens has the draft propose the next step's. The prompt positions a request
-scores (SamplingParams.prompt_logprobs) get their logits from the same forward, a few
-hundred at a time.
+scores (SamplingParams.prompt_logprobs) are scored from the same forward
+(worker/prompt_scoring.py).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import PagedKVCache
 from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.penalty_rows import PenaltyRows
+from pagedllm.worker.prompt_scoring import score_prompts
 from pagedllm.worker.runner import (
     ModelSpec,
     PromptLogprobs,
@@ -60,24 +61,6 @@ CALIBRATION_TEXT = Path(__file__).parents[1] / "model" / "data" / "calibration.t
 # Block size of the private cache of `logits_of`: any size gives the same logits; this is
 # the engine's default.
 SCRATCH_BLOCK_SIZE = 16
-# Prompt positions whose logits are computed at once for prompt log-probabilities: 256 x
-# a 49,152-token vocabulary is 48 MiB of float32.
-PROMPT_LOGITS_ROWS = 256
-
-
-def prompt_positions(
-    query_lens: Sequence[int], prompt_rows: Sequence[PromptLogprobsRow]
-) -> torch.Tensor:
-    """The rows of a step's flat batch (sequence i's tokens are `query_lens[i]` rows on
-    from the previous ones') that the prompt rows score, row after row, on the host."""
-    offsets = torch.zeros(len(query_lens), dtype=torch.long)
-    torch.cumsum(torch.as_tensor(query_lens[:-1], dtype=torch.long), 0, out=offsets[1:])
-    seq_index = torch.tensor([r.seq_index for r in prompt_rows], dtype=torch.long)
-    counts = torch.tensor([len(r.target_ids) for r in prompt_rows], dtype=torch.long)
-    firsts = offsets[seq_index] + torch.tensor([r.first for r in prompt_rows], dtype=torch.long)
-    owner = torch.repeat_interleave(torch.arange(len(prompt_rows)), counts)
-    starts = torch.cumsum(counts, 0) - counts  # each row's first entry in the result
-    return firsts[owner] + torch.arange(owner.numel()) - starts[owner]
 
 
 class TorchModelRunner:
@@ -305,7 +288,7 @@ class TorchModelRunner:
             block_tables=tables,
             logits_seq_indices=[i for i, s in enumerate(seqs) if s.needs_logits],
         )
-        scored = self._prompt_logprobs(hidden, query_lens, prompt_rows) if prompt_rows else []
+        scored = score_prompts(self.model, hidden, query_lens, prompt_rows) if prompt_rows else []
         counts = [s.num_logits_rows for s in seqs if s.needs_logits]
         if any(c > 1 for c in counts):  # a sequence's k+1 rows end at its last row
             last = rows.tolist()
@@ -314,54 +297,6 @@ class TorchModelRunner:
             ]
             rows = torch.tensor(spread, dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden[rows]), scored
-
-    def _prompt_logprobs(
-        self,
-        hidden: torch.Tensor,
-        query_lens: Sequence[int],
-        prompt_rows: Sequence[PromptLogprobsRow],
-    ) -> list[PromptLogprobs]:
-        """Each row's prompt tokens scored from the step's final hidden states, at most
-        PROMPT_LOGITS_ROWS positions' logits at a time: a long prompt's chunk never holds
-        [chunk, vocab] logits at once. Under tensor parallelism every rank computes the
-        same logits (their gathers pair up) and only rank 0, which holds the whole
-        vocabulary's, scores them (the others return nothing)."""
-        positions = prompt_positions(query_lens, prompt_rows).to(hidden.device)
-        targets = torch.tensor(
-            list(itertools.chain.from_iterable(r.target_ids for r in prompt_rows)),
-            dtype=torch.long,
-            device=hidden.device,
-        )
-        scores = self.model.parallel is None or self.model.parallel.rank == 0
-        k = max(r.num_logprobs for r in prompt_rows)
-        chosen, top_lp, top_ids = [], [], []
-        for a in range(0, positions.numel(), PROMPT_LOGITS_ROWS):
-            b = a + PROMPT_LOGITS_ROWS
-            logits = self.model.compute_logits(hidden[positions[a:b]])
-            if not scores:
-                continue
-            logprobs = logits.float().log_softmax(dim=-1)
-            chosen.append(logprobs.gather(1, targets[a:b, None])[:, 0])
-            if k:
-                values, ids = logprobs.topk(k, dim=-1)
-                top_lp.append(values)
-                top_ids.append(ids)
-        if not scores:
-            return []
-        lp = torch.cat(chosen).tolist()
-        n = len(lp)
-        ids_l = torch.cat(top_ids).tolist() if k else [[] for _ in range(n)]
-        top_l = torch.cat(top_lp).tolist() if k else [[] for _ in range(n)]
-        out = []
-        end = 0
-        for r in prompt_rows:
-            a, end = end, end + len(r.target_ids)
-            ids, tops = ids_l[a:end], top_l[a:end]
-            if r.num_logprobs < k:
-                ids = [x[: r.num_logprobs] for x in ids]
-                tops = [x[: r.num_logprobs] for x in tops]
-            out.append(PromptLogprobs(lp[a:end], ids, tops))
-        return out
 
     @torch.inference_mode()
     def logits_of(self, token_ids: Sequence[int], chunk: int = 512) -> torch.Tensor:

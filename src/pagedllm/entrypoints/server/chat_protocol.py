@@ -76,8 +76,3 @@ class ChatCompletionRequest(SamplingRequest):
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (after `check`)."""
         return [m.template_dict() for m in self.messages]
-
-    def offered_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the chat template offers the model (none with tool_choice "none")."""
-        tools = self.tool_use()
-        return list(tools.tools) if tools is not None else None

@@ -10,7 +10,6 @@ choice. Streams work the same way: a choice's first chunk carries its prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.streaming import Delta
@@ -18,8 +17,9 @@ from pagedllm.entrypoints.server.streaming import Delta
 
 @dataclass
 class Echo:
-    prompts: list[str] | list[list[int]]  # the request's prompts as it sent them
-    tokenizer: Any
+    # each prompt's text: as sent, or a prompt of token ids decoded (on the tokenizer
+    # thread, prompts.py: never on the event loop)
+    texts: list[str]
     prompt_only: bool  # max_tokens 0: the prompt, scored, and no generated token
     _echoed: set[int] = field(default_factory=set)  # choices whose prompt went out
     # prompt position -> its token ids and scores, from the first output (the one that
@@ -43,11 +43,5 @@ class Echo:
             logprobs = [*scored, *([] if self.prompt_only else d.logprobs)]
         text, token_ids = ("", []) if self.prompt_only else (d.text, d.token_ids)
         return Delta(
-            d.index, self._text(position, ids) + text, [*ids, *token_ids], logprobs, d.finish_reason
+            d.index, self.texts[position] + text, [*ids, *token_ids], logprobs, d.finish_reason
         )
-
-    def _text(self, position: int, ids: list[int]) -> str:
-        prompt = self.prompts[position]
-        if isinstance(prompt, str):
-            return prompt
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids)

@@ -21,6 +21,9 @@ from pagedllm.bounded_json import JSONTooDeepError, loads
 from pagedllm.errors import UNSUPPORTED, InvalidParameterError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# The most messages one conversation may hold (OpenAI's limit on chat `messages`); the
+# Responses API's `input` items too.
+MAX_MESSAGES = 2048
 
 
 class ContentPart(BaseModel):
@@ -96,10 +99,20 @@ class ChatMessage(BaseModel):
 
 
 def check_messages(messages: Sequence[ChatMessage]) -> None:
-    """Each message's `check`, then `check_tool_results`."""
+    """At most MAX_MESSAGES; each message's `check`, then `check_tool_results`."""
+    check_count(messages, "messages")
     for i, message in enumerate(messages):
         message.check(f"messages[{i}]")
     check_tool_results(messages)
+
+
+def check_count(items: Sequence[Any], param: str) -> None:
+    """InvalidParameterError naming `param` if a conversation has more than MAX_MESSAGES
+    items."""
+    if len(items) > MAX_MESSAGES:
+        raise InvalidParameterError(
+            param, f"{param} may hold at most {MAX_MESSAGES} items, got {len(items)}"
+        )
 
 
 def check_tool_results(messages: Sequence[ChatMessage]) -> None:

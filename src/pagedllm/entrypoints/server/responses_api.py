@@ -43,6 +43,7 @@ from pagedllm.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.server.serving import Serving, Started
 from pagedllm.entrypoints.server.streaming import choice_deltas, collect, sse_response
 from pagedllm.entrypoints.server.tool_stream import Delta, ToolCallStream
+from pagedllm.entrypoints.server.tools import offered_tools
 
 Event = dict[str, Any]
 
@@ -294,7 +295,8 @@ def _sse_event(event: Event) -> str:
 
 async def create_response(serving: Serving, req: ResponsesRequest, raw: Request) -> Response:
     async def encode() -> list[list[int]]:
-        return [await serving.encoder.chat(req.template_messages(), True, req.offered_tools())]
+        tools = offered_tools(req.tool_use())
+        return [await serving.encoder.chat(req.template_messages(), True, tools)]
 
     s = await serving.start(req, raw, "resp", encode)
     use = req.tool_use()

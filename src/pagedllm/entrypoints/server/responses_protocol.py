@@ -9,7 +9,8 @@ developer or assistant; content a string or `input_text` / `output_text` parts),
 (`{"type": "function", "name", "parameters", "strict"}`) and `text.format` holds the
 structured output (`json_schema` with `name`, `schema`, `strict`; `json_object`; `text`);
 both go the chat request's way (tools.py, structured.py). vLLM's sampling extensions
-(top_k, seed, guided_*, ...) are taken too.
+(top_k, seed, guided_*, ...) are taken too. `input` holds at most MAX_MESSAGES items
+(messages.py) and `metadata`, echoed in the response, is bounded as OpenAI bounds it.
 
 No response is stored: `previous_response_id`, `conversation` and item references are
 refused (the client sends the whole conversation in `input`); `store` is accepted and
@@ -23,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.engine.prompts import check_text
-from pagedllm.entrypoints.server.messages import ChatMessage, check_arguments
+from pagedllm.entrypoints.server.messages import ChatMessage, check_arguments, check_count
 from pagedllm.entrypoints.server.protocol import SamplingRequest, refuse
 from pagedllm.entrypoints.server.structured import Structured
 from pagedllm.entrypoints.server.tools import ToolUse, tool_use, with_tools
@@ -34,6 +35,8 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 # What `include` may name here: there is no encrypted reasoning to add, so nothing changes.
 INCLUDABLE = ("reasoning.encrypted_content",)
+# OpenAI's bounds on `metadata`, which the response echoes: pairs, key and value lengths.
+MAX_METADATA = (16, 64, 512)
 # Chat's fields -> this API's: refused by their chat names rather than ignored.
 CHAT_NAMES = {
     "messages": "input",
@@ -95,6 +98,7 @@ class ResponsesRequest(SamplingRequest):
                 raise InvalidParameterError(
                     f"include[{i}]", f"include[{i}] {name!r} is not supported by this server"
                 )
+        _check_metadata(self.metadata)
         self.chat_messages()
         self.tool_use()
 
@@ -140,11 +144,6 @@ class ResponsesRequest(SamplingRequest):
             out.append({"type": "function", "function": {k: tool[k] for k in fields if k in tool}})
         return out
 
-    def offered_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the chat template offers the model (none with tool_choice "none")."""
-        tools = self.tool_use()
-        return list(tools.tools) if tools is not None else None
-
     def chat_messages(self) -> list[ChatMessage]:
         """`instructions` and `input` as chat messages; InvalidParameterError names the
         item that is wrong."""
@@ -157,6 +156,7 @@ class ResponsesRequest(SamplingRequest):
             return [*messages, ChatMessage(role="user", content=self.input)]
         if not self.input:
             raise InvalidParameterError("input", "input must hold at least one item")
+        check_count(self.input, "input")
         called: set[str] = set()
         for i, item in enumerate(self.input):
             _item(item, f"input[{i}]", messages, called)
@@ -185,7 +185,8 @@ def _item(item: dict[str, Any], where: str, messages: list[ChatMessage], called:
         last = messages[-1] if messages else None
         # one assistant turn: its text, then its calls
         if last is not None and last.role == "assistant":
-            last.tool_calls = [*(last.tool_calls or ()), call]
+            last.tool_calls = last.tool_calls or []
+            last.tool_calls.append(call)
         else:
             messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
     elif kind == "function_call_output":
@@ -207,6 +208,20 @@ def _item(item: dict[str, Any], where: str, messages: list[ChatMessage], called:
             f"{where}.type must be message, function_call, function_call_output or reasoning "
             f"(this server keeps no responses to refer to), got {kind!r}"[:300],
             UNSUPPORTED,
+        )
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    pairs, key_len, value_len = MAX_METADATA
+    if metadata is None:
+        return
+    if len(metadata) > pairs or any(
+        len(k) > key_len or len(v) > value_len for k, v in metadata.items()
+    ):
+        raise InvalidParameterError(
+            "metadata",
+            f"metadata may hold at most {pairs} pairs, keys of at most {key_len} characters "
+            f"and values of at most {value_len}",
         )
 
 

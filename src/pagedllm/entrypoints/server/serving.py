@@ -56,6 +56,7 @@ from pagedllm.entrypoints.server.streaming import (
 )
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS, ToolParser
 from pagedllm.entrypoints.server.tool_stream import ToolCallStream
+from pagedllm.entrypoints.server.tools import offered_tools
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
 
@@ -214,7 +215,7 @@ class Serving:
         s = await self.start(req, raw, "cmpl", lambda: self.encoder.prompts(self._batch(req)))
         k = req.logprobs
         n = s.params.n
-        echo = Echo(req.prompts(), self.engine.tokenizer, req.scores_prompt_only)
+        echo = Echo(await self._prompt_texts(req) if req.echo else [], req.scores_prompt_only)
 
         def deltas(position: int, out: RequestOutput) -> list[Delta]:
             found = choice_deltas(out, position * n)
@@ -252,6 +253,15 @@ class Serving:
             )
         return prompts
 
+    async def _prompt_texts(self, req: CompletionRequest) -> list[str]:
+        """Each prompt's text, to echo: a prompt of token ids decoded (special tokens
+        kept) on the tokenizer thread; without a tokenizer, empty."""
+        has_tokenizer = self.engine.tokenizer is not None
+        return [
+            p if isinstance(p, str) else (await self.encoder.decode(p) if has_tokenizer else "")
+            for p in req.prompts()
+        ]
+
     def _completion_logprobs(self, d: Delta, k: int) -> dict[str, Any]:
         out = r.CompletionLogProbs()
         offset = 0
@@ -272,7 +282,7 @@ class Serving:
     # ----------------------------------------------------------------- chat
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         async def encode() -> list[list[int]]:
-            conversation, tools = req.conversation(), req.offered_tools()
+            conversation, tools = req.conversation(), offered_tools(req.tool_use())
             return [await self.encoder.chat(conversation, req.add_generation_prompt, tools)]
 
         s = await self.start(req, raw, "chatcmpl", encode)
@@ -302,11 +312,7 @@ class Serving:
             if self.reasoning is None:
                 return "", d.text
             stream = thinking.setdefault(d.index, self.reasoning.stream())
-            reasoning, content = stream.feed(d.text)
-            if d.finish_reason is not None:
-                more, rest = stream.finish()
-                reasoning, content = reasoning + more, content + rest
-            return reasoning, content
+            return _feed(stream, d.text, d.finish_reason is not None)
 
         started: set[int] = set()
 
@@ -322,11 +328,7 @@ class Serving:
                 delta: dict[str, Any] = _reasoning_fields(reasoning) if reasoning else {}
                 deltas: list[dict[str, Any]] = []
                 if use is not None:
-                    calls = tool_stream(d.index)
-                    text, deltas = calls.feed(text)
-                    if d.finish_reason is not None:
-                        more, rest = calls.finish()
-                        text, deltas = text + more, deltas + rest
+                    text, deltas = _feed(tool_stream(d.index), text, d.finish_reason is not None)
                 if text:
                     delta["content"] = text
                 if deltas:
@@ -378,6 +380,17 @@ class Serving:
                 )
             )
         return [r.dump(c) for c in content]
+
+
+def _feed(stream: Any, text: str, last: bool) -> tuple[Any, Any]:
+    """The two parts (reasoning and content, or content and tool-call deltas) that `text`
+    completes in a choice's ReasoningStream or ToolCallStream; with `last` (the choice
+    ended) what the stream held back too."""
+    first, second = stream.feed(text)
+    if last:
+        more_first, more_second = stream.finish()
+        first, second = first + more_first, second + more_second
+    return first, second
 
 
 def _reasoning_fields(reasoning: str | None) -> dict[str, str | None]:

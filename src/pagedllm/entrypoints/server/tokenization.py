@@ -34,7 +34,7 @@ from pagedllm.entrypoints.server.messages import ChatMessage, check_messages
 from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.protocol import refuse
 from pagedllm.entrypoints.server.serving import request_fields
-from pagedllm.entrypoints.server.tools import tool_use
+from pagedllm.entrypoints.server.tools import offered_tools, tool_use
 from pagedllm.errors import InvalidParameterError
 
 SPECIAL_TOKENS = ("eos_token", "bos_token", "pad_token", "unk_token")
@@ -71,8 +71,7 @@ class TokenizeRequest(BaseModel):
                 raise InvalidParameterError("tools", "tools go with messages, not with a prompt")
             return None
         check_messages(self.messages)
-        tools = tool_use(self.tools, None)
-        return list(tools.tools) if tools is not None else None
+        return offered_tools(tool_use(self.tools, None))
 
     async def token_ids(self, encoder: PromptEncoder) -> list[int]:
         """The token ids asked for (after `check`, which gives the tools)."""

@@ -39,6 +39,7 @@ from pagedllm.sampling_params import StructuredOutputs
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+MAX_TOOLS = 128  # tools one request may offer (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,12 @@ class ToolUse:
     field: str = "tools"
     named: str | None = None
     max_calls: int | None = None  # None: any number
+
+
+def offered_tools(use: ToolUse | None) -> list[dict[str, Any]] | None:
+    """The tools the chat template offers the model (none without tools or with
+    tool_choice "none")."""
+    return list(use.tools) if use is not None else None
 
 
 def tool_use(
@@ -120,6 +127,10 @@ def _functions(tools: Any, fn_path: str) -> dict[str, dict[str, Any]]:
     """Function name -> its parameter schema, checked; errors name `tools[i]{fn_path}.x`."""
     if not isinstance(tools, list):
         raise InvalidParameterError("tools", "tools must be a list of function tools")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidParameterError(
+            "tools", f"tools may hold at most {MAX_TOOLS} tools, got {len(tools)}"
+        )
     functions: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
