@@ -138,7 +138,7 @@ def test_a_failing_beam_step_fails_only_the_beam_search(
     llm: LLM, undisturbed, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = llm.engine
-    advance = engine._advance_beams  # the fault goes where beams advance
+    advance = engine.results._advance_beams  # the fault goes where beams advance
     calls = []
 
     def failing_advance(req: Any, *args: Any) -> None:
@@ -148,7 +148,7 @@ def test_a_failing_beam_step_fails_only_the_beam_search(
                 raise IndexError("a beam bookkeeping fault")
         advance(req, *args)
 
-    monkeypatch.setattr(engine, "_advance_beams", failing_advance)
+    monkeypatch.setattr(engine.results, "_advance_beams", failing_advance)
     finals = run(llm, [*SURVIVORS, "victim_beam"])
     victim = only_victim_failed(llm, finals, "victim_beam", undisturbed)
     assert victim.error == "IndexError: a beam bookkeeping fault"

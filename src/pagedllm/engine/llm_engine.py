@@ -18,7 +18,7 @@ A request's failure is its own: per-row work (sampling, grammar masks, detokenis
 checks, beam bookkeeping) that raises fails only its request, and a failed forward pass
 fails only the requests of that step. A failed request is aborted (its blocks freed) and
 comes back as a finished RequestOutput with `error` set; the others go on as they would
-have.
+have (engine/step_results.py).
 
 Prompt log-probabilities (SamplingParams.prompt_logprobs): each step that computes a
 chunk of such a request's prompt has the runner score the prompt tokens it predicts
@@ -39,7 +39,6 @@ block manager or runner.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -49,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.core.sequence import Request, Sequence
-from pagedllm.engine.beam_search import BeamState, advance_beams
+from pagedllm.engine.beam_search import BeamState
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.grammars import Grammars
 from pagedllm.engine.kv_event_access import CurveKeys, who_may_subscribe
@@ -58,24 +57,20 @@ from pagedllm.engine.kv_recorder import KVRecorder, Record, Sink, engine_snapsho
 from pagedllm.engine.listeners import Listeners, StepListener
 from pagedllm.engine.memory_check import check_memory
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.outputs import RequestMetrics, RequestOutput
+from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_checks import RequestChecks
 from pagedllm.engine.snapshot import EngineSnapshot, take_snapshot
 from pagedllm.engine.speculation import Speculation
 from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.step_results import StepResults
 from pagedllm.engine.step_rows import (
     RowBuilder,
     StepRows,
-    raise_row_errors,
-    sampling_params,
 )
 from pagedllm.kv.manager import KVUsage
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 from pagedllm.worker.runner import (
     ModelRunner,
-    PromptLogprobs,
-    PromptLogprobsRow,
-    SampledTokens,
 )
 
 if TYPE_CHECKING:
@@ -139,6 +134,7 @@ class LLMEngine:
             tokenizer, self.vocab_size, self.eos_token_ids, int(config.grammar_cache_mb * 2**20)
         )
         self.rows = RowBuilder(self.scheduler, self._beams, self.grammars, self.eos_token_ids)
+        self.results = StepResults(self.scheduler, self.grammars, self.output, self._beams)
         self.num_steps = 0  # steps that ran something
         self.listeners = Listeners(self.kv)
         self.stats = EngineStats()
@@ -323,7 +319,8 @@ class LLMEngine:
         # instead of hashing the prompt again each.
         self._fork(rows.forks)
         ran = self.snapshot()
-        outputs = self._process(sampled, rows, failed)
+        outputs = self.results.process(sampled, rows, failed)
+        outputs.extend(self._fail(req, exc) for req, exc in failed.values())
         if self.speculation is not None:
             self.speculation.keep_proposals(rows, sampled)
         self.listeners.step_end(step, outputs, ran)
@@ -347,174 +344,12 @@ class LLMEngine:
         self.listeners.step_end(step, outputs, self.snapshot())
         return outputs
 
-    def _process(
-        self,
-        sampled: SampledTokens,
-        rows: StepRows,
-        failed: dict[str, tuple[Request, BaseException]],
-    ) -> list[RequestOutput]:
-        """Each request's tokens, one request at a time: what raises fails its own."""
-        now = time.time()
-        touched: list[Request] = []
-        for req, row, scored in zip(
-            rows.prompt_owners, rows.prompt_rows, sampled.prompt_logprobs, strict=True
-        ):
-            if req.request_id not in failed:
-                try:
-                    _add_prompt_logprobs(req, row, scored)
-                except Exception as exc:
-                    failed[req.request_id] = (req, exc)
-        for request_id, (req, entries) in rows.samples.items():
-            if request_id in failed:
-                continue
-            try:
-                self._take_samples(req, entries, sampled)
-            except Exception as exc:
-                failed[request_id] = (req, exc)
-                continue
-            touched.append(req)
-        for request_id, (req, entries) in rows.beams.items():
-            if request_id in failed:
-                continue
-            try:
-                raise_row_errors(sampled, [i for _, i in entries])
-                self._advance_beams(req, entries, sampled.top_ids, sampled.top_logprobs)
-            except Exception as exc:
-                failed[request_id] = (req, exc)
-                continue
-            touched.append(req)
-        outputs = []
-        for req in touched:
-            req.first_token_time = req.first_token_time or now
-            try:
-                out = self._finish_step_of(req, now)
-            except Exception as exc:
-                failed[req.request_id] = (req, exc)
-                continue
-            if out is not None:
-                outputs.append(out)
-        outputs.extend(self._fail(req, exc) for req, exc in failed.values())
-        return outputs
-
-    def _take_samples(
-        self, req: Request, entries: list[tuple[Sequence, int]], sampled: SampledTokens
-    ) -> None:
-        """Append each sample's drawn tokens (from its row: kept proposals first, then
-        its own) one by one, and check whether it stops after each: a stop, EOS or
-        max_tokens among the kept proposals ends the sequence there."""
-        params = sampling_params(req)
-        raise_row_errors(sampled, [i for _, i in entries])
-        for seq, i in entries:
-            kept = sampled.accepted.get(i)
-            if kept is not None:
-                for j, token in enumerate(kept.token_ids):
-                    self._append(
-                        params, seq, token, kept.logprobs[j], kept.top_ids[j], kept.top_logprobs[j]
-                    )
-                    if seq.finish_reason is not None:
-                        break
-                if seq.finish_reason is not None:
-                    continue
-            token = sampled.token_ids[i]
-            self._append(
-                params, seq, token, sampled.logprobs[i], sampled.top_ids[i], sampled.top_logprobs[i]
-            )
-
-    def _append(
-        self,
-        params: SamplingParams,
-        seq: Sequence,
-        token: int,
-        logprob: float,
-        top_ids: list[int],
-        top_logprobs: list[float],
-    ) -> None:
-        """One new token of `seq`: its log-probs, the grammar, the stop checks."""
-        seq.token_ids.append(token)
-        self.grammars.accept(seq.seq_id, token)
-        seq.cumulative_logprob += logprob
-        if params.logprobs is not None:
-            seq.output_logprobs.append(_token_logprobs(token, logprob, top_ids, top_logprobs))
-        self.output.check_stop(params, seq)
-        if seq.finish_reason is None and self.grammars.terminated(seq.seq_id):
-            seq.finish_reason = "stop"  # the grammar took its end (an EOS, ignore_eos)
-
-    def _finish_step_of(self, req: Request, now: float) -> RequestOutput | None:
-        for seq in [s for s in req.seqs if s.finish_reason is not None]:
-            self.scheduler.finish_seq(req, seq)
-            self.grammars.forget([seq])
-        finished = not req.seqs
-        beam = self._beams.get(req.request_id)
-        if finished:
-            self._beams.pop(req.request_id, None)
-        return self.output.make_output(req, finished, now, beam)
-
     def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
         """Abort `req` (every block back to the pool); its output says why it failed."""
-        logger.error(
-            "request %s failed: %s: %s", req.request_id, type(exc).__name__, exc, exc_info=exc
-        )
-        for seq in req.seqs:
-            seq.finish_reason = "error"
-        out = None
-        with contextlib.suppress(Exception):  # the output itself may be what failed
-            out = self.output.make_output(req, True, time.time(), self._beams.get(req.request_id))
-        if out is None:  # report none
-            out = RequestOutput(
-                req.request_id,
-                req.prompt,
-                req.prompt_token_ids,
-                [],
-                True,
-                metrics=RequestMetrics(req.arrival_time, req.first_token_time, time.time()),
-            )
+        out = self.results.failed_output(req, exc)
         self.abort(req.request_id)
-        out.error = f"{type(exc).__name__}: {exc}"
         return out
-
-    # ---------------------------------------------------------------- helpers
-    def _advance_beams(
-        self,
-        req: Request,
-        entries: list[tuple[Sequence, int]],
-        top_ids: list[list[int]],
-        top_logprobs: list[list[float]],
-    ) -> None:
-        def fork(parent: Sequence) -> Sequence:
-            child = self.scheduler.new_seq(
-                parent.token_ids, len(req.seqs), parent.num_prompt_tokens
-            )
-            self.scheduler.fork(req, parent, child)
-            return child
-
-        def drop(beam: Sequence) -> None:
-            self.scheduler.finish_seq(req, beam, keep=False)
-
-        beams = [seq for seq, _ in entries]
-        top = [(top_ids[i], top_logprobs[i]) for _, i in entries]
-        # When the search ends every beam is dropped, and with the last one the request.
-        advance_beams(self._beams[req.request_id], beams, top, fork, drop)
 
     def _fork(self, forks: list[tuple[Request, Sequence, Sequence]]) -> None:
         for req, parent, child in forks:
             self.scheduler.fork(req, parent, child)
-
-
-def _add_prompt_logprobs(req: Request, row: PromptLogprobsRow, scored: PromptLogprobs) -> None:
-    """Append the prompt tokens a step scored to the request's prompt log-probabilities."""
-    req.prompt_logprobs.extend(
-        _token_logprobs(token, logprob, ids, lps)
-        for token, logprob, ids, lps in zip(
-            row.target_ids, scored.logprobs, scored.top_ids, scored.top_logprobs, strict=True
-        )
-    )
-
-
-def _token_logprobs(
-    token: int, logprob: float, top_ids: list[int], top_logprobs: list[float]
-) -> dict[int, float]:
-    """A token's entry in the log-probabilities an output reports: the most likely tokens
-    at its position, and itself."""
-    top = dict(zip(top_ids, top_logprobs, strict=True))
-    top[token] = logprob
-    return top
