@@ -10,9 +10,19 @@ tables when it is new to the runner or an entry changed in place.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.kv.block_table import BlockTable
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """An adapter the runner must write into pool pages before this step's forward: it
+    was not resident (first use, or evicted since), and now owns `pages`."""
+
+    lora_id: int
+    lora_path: str
+    pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,7 @@ class ScheduledSeq:
     draft_token_ids: tuple[int, ...] = ()
     # New to the runner, or an entry changed in place: `new_block_ids` are whole tables.
     replaces_tables: bool = True
+    lora_id: int = 0  # the adapter its rows run under (0: the base model)
 
     @property
     def num_logits_rows(self) -> int:
@@ -52,6 +63,10 @@ class SchedulerOutput:
     # Sequences preempted since the last step that ran: their rows go, their state (a
     # seeded generator) stays; they come back with whole tables.
     preempted_seq_ids: tuple[int, ...] = ()
+    # Adapters to write into their pages before the forward (LoRA), and the pages of every
+    # adapter a scheduled sequence runs under.
+    lora_loads: tuple[AdapterLoad, ...] = ()
+    lora_pages: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def request_ids(self) -> tuple[str, ...]:

@@ -70,6 +70,11 @@ class Request:
     # most likely tokens at its position (None for the first, which nothing predicts),
     # filled chunk by chunk as the prompt is computed.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # The LoRA adapter it runs under (0: the base model), where the runner reads it, and
+    # how many pool pages it takes (pinned while the request runs).
+    lora_id: int = 0
+    lora_path: str | None = None
+    lora_pages: int = 0
 
     @property
     def num_tokens(self) -> int:
