@@ -20,6 +20,9 @@ from pagedllm.spec.config import SpeculativeConfig, speculative_config_from
 from pagedllm.validation import check_int
 from pagedllm.worker.options import RunnerOptions
 
+LORA_SLOTS = ("unified", "static")
+MAX_LORA_RANK = 512
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -95,6 +98,16 @@ class EngineConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     speculative_disable_by_batch_size: int | None = None
+    # LoRA adapters (docs/lora.md): requests may run under a PEFT adapter of this base. With
+    # lora_slots "unified" an adapter takes pages of the KV pool while it is used and is
+    # evicted, least recently used first, when KV needs the room (S-LoRA's unified paging);
+    # "static" reserves max_loras slots of the max_lora_rank size at start (vLLM's), which
+    # KV never gets. max_cpu_loras: adapters kept in host memory for reloading.
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    lora_slots: str = "unified"
+    max_loras: int = 1
+    max_cpu_loras: int = 32
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -127,7 +140,32 @@ class EngineConfig:
                 "speculative decoding needs kv_reservation='paged': the contiguous "
                 f"baselines reserve their slots up front, got {self.kv_reservation!r}",
             )
+        self._check_lora()
         self.kv_events_keys()  # the endpoint and the keys checked now, before a model loads
+
+    def _check_lora(self) -> None:
+        check_int(self.max_lora_rank, "max_lora_rank", min=1, max=MAX_LORA_RANK)
+        check_int(self.max_loras, "max_loras", min=1)
+        check_int(self.max_cpu_loras, "max_cpu_loras", min=1)
+        if self.lora_slots not in LORA_SLOTS:
+            raise InvalidParameterError(
+                "lora_slots",
+                f"lora_slots must be one of {', '.join(LORA_SLOTS)}, got {self.lora_slots!r}",
+            )
+        if not self.enable_lora:
+            return
+        if self.tensor_parallel_size > 1:
+            raise InvalidParameterError(
+                "enable_lora",
+                "LoRA adapters run on one device: use tensor_parallel_size 1 with enable_lora "
+                f"(got {self.tensor_parallel_size})",
+            )
+        if self.kv_reservation != "paged":
+            raise InvalidParameterError(
+                "enable_lora",
+                "LoRA adapters take pages of the paged pool: enable_lora needs "
+                f"kv_reservation='paged', got {self.kv_reservation!r}",
+            )
 
     def with_quantizations_of(self, options: RunnerOptions) -> EngineConfig:
         """This configuration with the quantizations `options` hold (once "auto" is decided:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.reservation import RESERVATION_POLICIES
-from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.config import LORA_SLOTS, MAX_LORA_RANK, EngineConfig
 from pagedllm.engine.kv_event_access import CLIENT_PUBLIC_KEYS_ENV, SERVER_SECRET_KEY_ENV
 from pagedllm.kv.block_table import MAX_BLOCK_SIZE
 from pagedllm.worker.options import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
@@ -155,6 +155,21 @@ OPTIONS = (
         "a value above --max-num-seqs speculates at every batch size)",
         int,
     ),
+    _Option(
+        "enable_lora",
+        "let requests run under LoRA adapters of this base (PEFT format)",
+        boolean=True,
+    ),
+    _Option("max_lora_rank", f"the highest adapter rank accepted (1..{MAX_LORA_RANK})", int),
+    _Option(
+        "lora_slots",
+        "where adapters live: unified takes pages of the KV pool as adapters are used and "
+        "evicts unused ones when KV needs the room; static reserves --max-loras slots of the "
+        "--max-lora-rank size at start (a fixed split, for comparison)",
+        choices=LORA_SLOTS,
+    ),
+    _Option("max_loras", "adapter slots with --lora-slots static", int),
+    _Option("max_cpu_loras", "adapters kept in host memory for reloading into the pool", int),
 )
 
 
