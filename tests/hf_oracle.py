@@ -90,3 +90,36 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=None,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def make_lora_adapter(
+    base: Path,
+    path: Path,
+    seed: int = 0,
+    r: int = 4,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    alpha: int = 8,
+    rslora: bool = False,
+) -> Path:
+    """A random PEFT LoRA adapter of the model at `base` (both of its matrices random, so
+    that it changes the logits), saved with `save_pretrained` to `path`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        init_lora_weights=False,
+        use_rslora=rslora,
+        lora_dropout=0.0,
+    )
+    get_peft_model(load_hf(base), config).save_pretrained(path)
+    return path
+
+
+def load_hf_lora(base: Path, adapter: Path):
+    """transformers + PEFT: the base at `base` under the adapter at `adapter` (the oracle)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf(base), adapter).eval()
