@@ -30,6 +30,8 @@ TORCH_FREE = [
     "spec/__init__.py",
     "spec/ngram.py",
     "spec/config.py",
+    "lora/__init__.py",
+    "lora/request.py",
 ]
 EVERYTHING = "*"
 # What each part of the package may import from the others (module prefixes): lower
@@ -47,8 +49,11 @@ ALLOWED: dict[str, set[str] | str] = {
     "attention": {"kernels", "errors"},
     "model": {"attention", "kernels", "errors"},
     "loader": {"model", "errors", "cache_root"},
+    # LoRA adapters: PEFT files and the low-rank products a model applies on its rows
+    "lora": {"model", "loader", "errors", "validation"},
     "worker": {
         "core.scheduler_output",
+        "lora",
         "attention",
         "model",
         "kernels",
@@ -71,6 +76,7 @@ ALLOWED: dict[str, set[str] | str] = {
         "sampling_params",
         "structured",
         "spec",
+        "lora",
         "validation",
     },
     "entrypoints": EVERYTHING,
