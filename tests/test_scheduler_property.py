@@ -22,7 +22,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -490,7 +490,12 @@ def test_runner_rows_take_the_lowest_free_row_and_apply_changes_in_place() -> No
         tables.apply(step(seq(15, (1,), False)))
 
 
-def simulate_adapters(seed: int, steps: int = 200, static: bool = False) -> Scheduler:
+def simulate_adapters(
+    seed: int,
+    steps: int = 200,
+    static: bool = False,
+    watch: Callable[[Scheduler], Callable[[], None]] | None = None,
+) -> Scheduler:
     """The scheduler with LoRA adapters in the pool (unified pages or static slots),
     driven directly (random tokens, no runner): random arrivals under a few adapters and
     the base model, parallel samples (forks share the request's pin), aborts, drops of
@@ -498,7 +503,9 @@ def simulate_adapters(seed: int, steps: int = 200, static: bool = False) -> Sche
     and preemptions under a tiny pool. After every step: the pool invariants above (an
     adapter's pages in no table, held once), each adapter pinned once per running request
     under it, and the runner's view: every page of an adapter a step runs was written by
-    that adapter's latest load and by nothing since. At the end the pool is whole."""
+    that adapter's latest load and by nothing since. At the end the pool is whole.
+    `watch(scheduler)`, called once at the start, gives a check to call after every step
+    and at the end (the KV events' tests)."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4])
     num_blocks = rng.randint(16, 40)
@@ -524,6 +531,7 @@ def simulate_adapters(seed: int, steps: int = 200, static: bool = False) -> Sche
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 10))] for _ in range(2)]
     max_tokens: dict[str, int] = {}
     written: dict[int, object] = {}  # the runner's pool: page -> what it last wrote there
+    check = watch(sched) if watch is not None else None
     next_id = 0
     for _ in range(steps):
         if rng.random() < 0.5:
@@ -581,11 +589,15 @@ def simulate_adapters(seed: int, steps: int = 200, static: bool = False) -> Sche
         check_invariants(sched)
         pins = Counter(r.lora_id for r in sched.running if r.lora_id)
         assert {i: a.pins for i, a in ad.resident.items() if a.pins} == dict(pins)
+        if check is not None:
+            check()
     for rid in list(sched.requests):
         sched.abort(rid)
     for lora in lora_sizes:
         ad.drop(lora)
     check_invariants(sched)
+    if check is not None:
+        check()
     assert not ad.resident and not kv.tables
     assert kv.num_free_blocks == kv.num_kv_blocks == num_blocks - config.reserved_blocks
     return sched

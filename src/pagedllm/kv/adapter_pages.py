@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.allocator import BlockAllocator
+from pagedllm.kv.events import AdapterListener
 from pagedllm.validation import check_int
 
 ADAPTER_MODES = ("unified", "static")
@@ -61,14 +61,6 @@ class ResidentAdapter:
     slot: int | None = None  # static mode: the slot it occupies
 
 
-class AdapterListener(Protocol):
-    """Hooks of the adapters' residency (the KV view)."""
-
-    def on_adapter_loaded(self, lora_id: int, pages: tuple[int, ...]) -> None: ...
-
-    def on_adapter_evicted(self, lora_id: int, pages: tuple[int, ...]) -> None: ...
-
-
 class AdapterPages:
     def __init__(self, allocator: BlockAllocator, config: AdapterPoolConfig) -> None:
         """Static mode takes its slots' blocks from `allocator` now (a fresh pool gives
@@ -102,6 +94,10 @@ class AdapterPages:
     @property
     def resident(self) -> Mapping[int, ResidentAdapter]:
         return self._resident
+
+    def reserved_pages(self) -> tuple[int, ...]:
+        """Static mode: every slot's pages, slot after slot (unified mode: none)."""
+        return tuple(page for slot in self._slots for page in slot)
 
     def pins(self, lora_id: int) -> int:
         adapter = self._resident.get(lora_id)
