@@ -296,7 +296,7 @@
     `hsla(${hue(req).toFixed(0)}, 70%, ${light}%, ${alpha === undefined ? 1 : alpha})`;
   const FLASH = { cow: "#f5c451", fork: "#d2a8ff", hit: "#3fd0c0", lora: "#ff9e3d" };
   // LoRA adapters' pages: dark amber under an amber band, whatever the requests' hues.
-  const LORA = { page: "#7a4a12", band: "#ff9e3d", slot: "#2e2414" };
+  const LORA = { page: "#7a4a12", band: "#ff9e3d", slot: "#3a2c12" };
   const short = (id) => (id.length > 14 ? "…" + id.slice(-10) : id);
 
   // Diagonal lines over a rectangle: the mark of lookahead slots.
@@ -767,10 +767,14 @@
     const st = view.st;
     const pool = view.pool;
     if (!st) return;
+    // LoRA adapters' pages (static slots' included): in use, but not KV blocks (`used`).
+    let adapterPages = 0;
+    for (let b = 0; b < pool.n; b++) if (pool.lora[b] || pool.slot[b]) adapterPages++;
     const items = [
       [view.step, "step"],
       [`${st.used}/${pool.n}`, "blocks used"],
-      [pool.n - st.used, "free"],
+      ...(adapterPages ? [[adapterPages, "adapter pages"]] : []),
+      [pool.n - st.used - adapterPages, "free"],
       [st.cached, "cached"],
       [st.shared, "shared"],
       [st.tokens, "tokens stored"],
