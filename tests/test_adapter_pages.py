@@ -164,6 +164,9 @@ def test_admission_counts_pins_and_evicts_adapter_pages() -> None:
     wm.unpin_adapter(3)
     assert wm.admit([1], empty, 8, keep_watermark=True)  # 1 + 2 + 2 <= 2 free + 5 pages
     assert wm.adapters is not None and 3 in wm.adapters.resident
+    with pytest.raises(InvalidParameterError) as e:  # an adapter takes a page at least
+        kv.admit([5], empty, 4, lora_id=6, lora_pages=0, lora_path="/a6")
+    assert e.value.param == "lora_pages" and 5 not in kv.tables and 6 not in ad.resident
     with pytest.raises(ValueError, match="holds no adapters"):
         KVCacheManager(8, 4).admit([0], empty, 4, lora_id=1, lora_pages=1)
 

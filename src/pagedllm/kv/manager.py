@@ -23,6 +23,7 @@ from pagedllm.kv.block_table import BlockTable, check_block_size
 from pagedllm.kv.events import KVListener
 from pagedllm.kv.groups import KVGroupSpec, needs_null_block
 from pagedllm.kv.sequence_blocks import CachedPrefix, SequenceBlocks
+from pagedllm.validation import check_int
 
 
 @dataclass(frozen=True)
@@ -313,6 +314,8 @@ class KVCacheManager:
         adapters = self.adapters
         if lora_id and adapters is None:
             raise ValueError(f"adapter {lora_id} asked of a pool that holds no adapters")
+        if lora_id:  # before anything is taken: admission is all or nothing
+            check_int(lora_pages, "lora_pages", min=1)
         target = max(num_tokens, reserve_tokens)
         null = self.null_block
         # Cache hits that sit in the free queue stop being free when taken.
