@@ -269,3 +269,20 @@ def test_prefix_hits_stay_within_an_adapter() -> None:
         assert req.num_cached_tokens == (8 if lora == 1 else 0), rid
         finish(sched, req)
     assert sched.prefix_hit_tokens == 16
+
+
+def test_num_admissible_counts_the_pages_a_pin_takes_out_of_reach() -> None:
+    """A resident unpinned adapter's pages count as available, until a request pins it:
+    the estimate then counts them against that request, and matches what is admitted."""
+    sched = make(num_blocks=10)
+    a = add(sched, "a", [1, 2, 3], lora=1, pages=5)
+    run(sched)
+    finish(sched, a)
+    assert sched.kv.num_available_blocks == 10
+    add(sched, "b", [4, 5, 6, 7], lora=1, pages=5)  # 1 block + adapter 1's 5 pages
+    add(sched, "c", [8, 9, 10, 11], lora=2, pages=4)  # 1 block + 4 pages: 4 left
+    assert sched.num_admissible() == 1
+    out = run(sched)
+    assert list(out.chunk_sizes) == ["b"] and out.lora_loads == ()
+    assert sched.kv.adapter_pages_to_pin(1, 5) == 0  # pinned now
+    assert sched.kv.adapter_pages_to_pin(2, 4) == 4 and sched.kv.adapter_pages_to_pin(0, 0) == 0

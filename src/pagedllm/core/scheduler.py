@@ -215,19 +215,21 @@ class Scheduler:
 
     def num_admissible(self) -> int:
         """How many waiting requests could be admitted now, in queue order, by sequence
-        slots and free KV blocks (the watermark and each request's reservation counted).
-        An estimate from below: prefix-cache hits and chunking can admit more."""
+        slots and free KV blocks (the watermark and each request's reservation counted;
+        unpinned adapters' pages count as free, and each adapter to pin its pages once).
+        An estimate from below: prefix-cache hits and chunking can admit more (static
+        adapter slots are not counted)."""
         slots = self.config.max_num_seqs - self._running_seq_slots
         blocks = self.kv.num_available_blocks - self.kv.watermark_blocks
         admissible = 0
-        loading: set[int] = set()  # adapters the requests counted so far load
+        pinning: set[int] = set()  # adapters of the requests counted so far
         for req in self.waiting:  # admission is in queue order: stop at the first misfit
             need = len(req.seqs) * self.kv.blocks_for_tokens(
                 req.num_tokens, self.config.max_num_batched_tokens, req.reserve_tokens
             )
-            if req.lora_id not in loading:
-                need += self.kv.adapter_pages_to_load(req.lora_id, req.lora_pages)
-                loading.add(req.lora_id)
+            if req.lora_id not in pinning:
+                need += self.kv.adapter_pages_to_pin(req.lora_id, req.lora_pages)
+                pinning.add(req.lora_id)
             if req.num_seq_slots > slots or need > blocks:
                 break
             slots -= req.num_seq_slots

@@ -139,6 +139,17 @@ class KVCacheManager:
             return 0
         return self.adapters.pages_to_load(lora_id, num_pages)
 
+    def adapter_pages_to_pin(self, lora_id: int, num_pages: int) -> int:
+        """Blocks that pinning adapter `lora_id` takes out of `num_available_blocks`: its
+        pages if it must be loaded, or if it is resident unpinned (evictable until then)."""
+        adapters = self.adapters
+        if lora_id == 0 or adapters is None or adapters.static:
+            return 0
+        resident = adapters.resident.get(lora_id)
+        if resident is None:
+            return num_pages
+        return len(resident.pages) if resident.pins == 0 else 0
+
     def _make_room(self, num_blocks: int) -> bool:
         """At least `num_blocks` free blocks, evicting unpinned adapters if needed."""
         if num_blocks <= self.allocator.num_free_blocks:
