@@ -180,3 +180,22 @@ def test_page_counts(tiny_llama_dir: Path, adapters) -> None:
     assert runner.max_adapter_pages(BLOCK) == 16
     assert runner.max_adapter_pages(8) == 32
     assert runner.adapter_pages(str(adapters[2]), 8) == 16  # rank 8 on all seven, 512 a page
+
+
+def test_proposals_are_checked_under_the_adapter(tiny_llama_dir: Path, adapters) -> None:
+    """Speculation (n-gram proposals): a row's k proposed tokens get k+1 logits rows, all
+    computed under the row's adapter."""
+    runner = _runner(str(tiny_llama_dir), attention_backend="reference")
+    pages = tuple(range(4, 4 + runner.adapter_pages(str(adapters[2]), BLOCK)))
+    load = AdapterLoad(2, str(adapters[2]), pages)
+    ids, drafts = (5, 6, 7, 8, 9, 10), (11, 12)
+    seqs = (
+        ScheduledSeq("a", 0, (*ids, *drafts), 0, ((0,),), True, drafts, lora_id=2),
+        ScheduledSeq("b", 1, ids, 0, ((1,),), True),
+    )
+    step = SchedulerOutput(seqs, {}, (), (), lora_loads=(load,), lora_pages={2: pages})
+    logits, _ = runner.forward(step, runner.input_batch.step_tables(step))
+    want = _oracle_logits(load_hf_lora(tiny_llama_dir, adapters[2]), [*ids, *drafts])
+    torch.testing.assert_close(logits[:3], want[-3:], atol=ATOL, rtol=0)
+    base = _oracle_logits(load_hf(tiny_llama_dir), list(ids))
+    torch.testing.assert_close(logits[3], base[-1], atol=ATOL, rtol=0)
