@@ -69,7 +69,7 @@ def generate(llm: LLM, prompts, loras, params=GREEDY):
 
 
 def assert_pool_whole(llm: LLM) -> None:
-    """Nothing runs, no adapter is pinned, and every block in use is an adapter's."""
+    """Nothing runs, no adapter is pinned, and every block not free is an adapter's."""
     engine = llm.engine
     kv = engine.kv
     snap = engine.snapshot()
@@ -77,7 +77,8 @@ def assert_pool_whole(llm: LLM) -> None:
     assert all(a.pins == 0 for a in kv.adapters.resident.values())
     assert snap.usage.tokens_stored == 0
     assert snap.usage.adapter_blocks == kv.adapters.held_blocks()
-    assert snap.usage.used_blocks == snap.usage.adapter_blocks
+    assert snap.usage.used_blocks == 0
+    assert snap.usage.free_blocks + snap.usage.adapter_blocks == snap.usage.num_blocks
 
 
 @pytest.mark.parametrize(
@@ -90,7 +91,7 @@ def assert_pool_whole(llm: LLM) -> None:
     ids=["unified", "chunked", "static"],
 )
 def test_mixed_batch_equals_peft(tiny_llama_dir, adapters, oracles, options) -> None:
-    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_lora_rank=8, **options)
+    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_lora_rank=8, num_kv_blocks=512, **options)
     prompts = prompts_of(0, [5, 17, 9, 12, 3, 21, 8])
     loras = [None, adapters[0], adapters[1], adapters[2], adapters[0], adapters[1], None]
     outs = generate(llm, prompts, loras)
@@ -127,7 +128,9 @@ def test_preemption_and_eviction(tiny_llama_dir, adapters, oracles) -> None:
 
 
 def test_prefix_cache_is_keyed_by_adapter(tiny_llama_dir, adapters, oracles) -> None:
-    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_lora_rank=8, block_size=4)
+    llm = LLM(
+        str(tiny_llama_dir), enable_lora=True, max_lora_rank=8, block_size=4, num_kv_blocks=512
+    )
     prompt = prompts_of(2, [34])[0]
     order = [adapters[0], adapters[1], adapters[0], None, None]
     cached = []
@@ -140,7 +143,9 @@ def test_prefix_cache_is_keyed_by_adapter(tiny_llama_dir, adapters, oracles) -> 
 
 
 def test_parallel_samples_and_beams(tiny_llama_dir, adapters, oracles) -> None:
-    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_lora_rank=8, block_size=4)
+    llm = LLM(
+        str(tiny_llama_dir), enable_lora=True, max_lora_rank=8, block_size=4, num_kv_blocks=512
+    )
     lora = adapters[1]
     prompt = prompts_of(3, [11])[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2)
@@ -167,7 +172,9 @@ def test_parallel_samples_and_beams(tiny_llama_dir, adapters, oracles) -> None:
 
 
 def test_remove_lora_lets_running_requests_finish(tiny_llama_dir, adapters, oracles) -> None:
-    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_lora_rank=8, block_size=4)
+    llm = LLM(
+        str(tiny_llama_dir), enable_lora=True, max_lora_rank=8, block_size=4, num_kv_blocks=512
+    )
     engine = llm.engine
     lora = adapters[0]
     prompt = prompts_of(4, [10])[0]

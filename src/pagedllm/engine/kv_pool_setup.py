@@ -58,7 +58,7 @@ def build_kv_pool(config: EngineConfig, runner: ModelRunner) -> KVPool:
     )
     sizing = KVCacheManager(1, config.block_size, groups=groups)  # counts blocks only
     # Static slots are out of KV's reach for good: the longest request fits in the rest.
-    reserved = adapters.static_slots * adapters.slot_pages if adapters is not None else 0
+    reserved = adapters.reserved_blocks if adapters is not None else 0
     num_blocks, watermark_blocks, max_len = config.pool_size(
         block_bytes,
         spec.max_position_embeddings,
