@@ -5,6 +5,7 @@ slots; and what the engine refuses."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,8 @@ def test_preemption_and_eviction(tiny_llama_dir, adapters, oracles) -> None:
         num_kv_blocks=48,
         watermark=0.0,
     )
+    records: list[dict] = []
+    llm.engine.record_kv(records.append)
     prompts = prompts_of(1, [9, 14, 11, 6, 13, 10, 7, 12])
     loras = [adapters[i % 3] for i in range(len(prompts))]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -124,6 +127,9 @@ def test_preemption_and_eviction(tiny_llama_dir, adapters, oracles) -> None:
     snap = llm.engine.snapshot()
     assert snap.num_preemptions > 0
     assert snap.lora_evictions > 0 and snap.lora_loads > len(adapters)
+    # The KV view sees every load and eviction.
+    kinds = Counter(e["k"] for r in records for e in r.get("ev", ()))
+    assert (kinds["lora_load"], kinds["lora_evict"]) == (snap.lora_loads, snap.lora_evictions)
     assert_pool_whole(llm)
 
 
