@@ -199,3 +199,12 @@ def test_serve_refuses_bad_lora_options_before_loading(
     assert main(["serve", str(tiny_llama_dir), *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_ray_serve_refuses_runtime_loading() -> None:
+    pytest.importorskip("ray.serve")
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.entrypoints.ray_serve.app import build_app
+
+    with pytest.raises(ValueError, match="must reach every engine replica"):
+        build_app(EngineConfig(enable_lora=True), enable_lora_loading=True, lora_dir="/x")
