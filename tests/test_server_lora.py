@@ -330,3 +330,41 @@ def test_without_loading_the_routes_are_absent(in_process, oracle) -> None:
     out = complete(in_process.url, "a")
     assert out.choices[0].logprobs.tokens == pieces(oracle("a", PROMPT, N))
     in_process.assert_pool_whole()
+
+
+def test_ray_replicas_serve_the_lora_modules(model: Path, loras, oracle) -> None:
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    from pagedllm.engine.config import EngineConfig
+    from pagedllm.entrypoints.ray_serve.app import RayServeOptions, build_app
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = EngineConfig(
+            model=str(model),
+            num_kv_blocks=256,
+            block_size=16,
+            enable_lora=True,
+            max_lora_rank=MAX_RANK,
+            quantization="none",
+        )
+        app = build_app(
+            config,
+            RayServeOptions(num_replicas=1, routing="pow2"),
+            served_model_name=NAME,
+            lora_modules=(LoRAModule("a", str(loras["a"])),),
+        )
+        serve.run(app, name="pagedllm", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        assert [m.id for m in client(url).models.list().data] == [NAME, "a"]
+        out = complete(url, "a")
+        assert out.model == "a"
+        assert out.choices[0].logprobs.tokens == pieces(oracle("a", PROMPT, N))
+        with pytest.raises(openai.NotFoundError):
+            complete(url, "b")
+        check_error(httpx.post(url + "/v1/load_lora_adapter", json={}), 404)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
