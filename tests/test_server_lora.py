@@ -329,7 +329,12 @@ def test_without_loading_the_routes_are_absent(in_process, oracle) -> None:
         check_error(httpx.post(in_process.url + path, json={"lora_name": "a"}), 404)
     out = complete(in_process.url, "a")
     assert out.choices[0].logprobs.tokens == pieces(oracle("a", PROMPT, N))
-    in_process.assert_pool_whole()
+    in_process.wait_metrics(num_requests_running=0, num_requests_waiting=0)
+    kv = in_process.engine.engine.kv
+    # Every KV block is back; the adapter stays resident (unpinned) in its pages.
+    held = kv.adapters.held_blocks()
+    assert held > 0 and kv.num_free_blocks + held == kv.num_blocks
+    assert in_process.rejected(500) == 0
 
 
 def test_ray_replicas_serve_the_lora_modules(model: Path, loras, oracle) -> None:

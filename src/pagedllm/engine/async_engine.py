@@ -227,7 +227,6 @@ class AsyncLLMEngine:
         self._check_room(self.snapshot.backlog)  # as of the last step: before any compile
         grammars = await self._grammars([params for _, _, params in requests], grammar_param)
         stream = RequestStream(self.abort, [request_id for request_id, _, _ in requests])
-        adapter = {} if lora_request is None else {"lora_request": lora_request}
 
         def add() -> None:
             self._check_room(self.engine.snapshot().backlog)
@@ -236,7 +235,7 @@ class AsyncLLMEngine:
             try:
                 for (request_id, prompt, params), grammar in zip(requests, grammars, strict=True):
                     self.engine.add_request(
-                        request_id, prompt, params, arrival_time, grammar, **adapter
+                        request_id, prompt, params, arrival_time, grammar, lora_request
                     )
                     added.append(request_id)
                 # Every request of a group counts: queued, they must leave the backlog
