@@ -51,7 +51,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: its own)")
     args = parser.parse_args()
+    if args.threads:  # on a shared machine, one thread times steadier
+        torch.set_num_threads(args.threads)
     runner, _ = build_runner(RunnerOptions(enable_lora=True, max_lora_rank=16))
     cfg = runner.model_config
     n, ctx, steps = args.rows, args.context, args.steps
