@@ -103,7 +103,8 @@ class RowTiles:
 
     gather: torch.Tensor  # [tiles * rows_per_tile]: the row each tile position reads
     tile_slot: torch.Tensor | None  # [tiles]: each tile's adapter slot (None: tile i = slot i)
-    src: torch.Tensor  # positions in the flattened tiles that hold a real row ...
+    # positions in the flattened tiles that hold a real row (None: all, no padding) ...
+    src: torch.Tensor | None
     dst: torch.Tensor  # ... and the rows they belong to
     tiles: int
     rows_per_tile: int
@@ -136,7 +137,8 @@ def plan_rows(
         if identity
         else torch.repeat_interleave(torch.arange(num_slots, device=rows.device), tiles_of)
     )
-    return RowTiles(gather, tile_slot, flat, rows, tiles, per_tile)
+    src = None if tiles * per_tile == rows.numel() else flat  # unpadded: flat is 0, 1, ...
+    return RowTiles(gather, tile_slot, src, rows, tiles, per_tile)
 
 
 class LoRABatch:
@@ -161,4 +163,5 @@ class LoRABatch:
             r, n_out = bt.shape[1:]
             d = torch.bmm(h[:, :, target.r_at : target.r_at + r], bt).view(-1, n_out)
             part = out if whole else out[:, target.out_at : target.out_at + n_out]
-            part.index_add_(0, tiles.dst, d[tiles.src].to(out.dtype))
+            d = d if tiles.src is None else d[tiles.src]
+            part.index_add_(0, tiles.dst, d.to(out.dtype))
