@@ -41,7 +41,8 @@ class RunnerLoRA:
         self.device = device
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._paths: dict[int, str] = {}
-        # The layout of every adapter written into pages, to read it back.
+        # The layout of every adapter written into pages, to read it back (kept past
+        # drop_adapter: requests in flight finish under a removed adapter).
         self._layouts: dict[int, LoRAConfig] = {}
         self._stacks_key: tuple[tuple[int, tuple[int, ...]], ...] = ()
         self._stacks: AdapterStacks | None = None
@@ -73,10 +74,10 @@ class RunnerLoRA:
         return pages_for(elems, self._page(block_size))
 
     def drop_adapter(self, lora_id: int) -> None:
+        """Forget the adapter's host copy; its pages still serve the steps that name it."""
         path = self._paths.pop(lora_id, None)
         if path is not None:
             self._host.pop(path, None)
-        self._layouts.pop(lora_id, None)
 
     def step_deltas(
         self, step: SchedulerOutput, cache: PagedKVCache, query_lens: Sequence[int]
@@ -97,7 +98,9 @@ class RunnerLoRA:
         if key != self._stacks_key or self._stacks is None:
             adapters = []
             for i, pages in key:
-                c = self._layouts[i]
+                c = self._layouts.get(i)
+                if c is None:
+                    raise RuntimeError(f"adapter {i} runs before any step loaded it into pages")
                 adapters.append(
                     (c, read_adapter(cache, pages, layer_elems(self.config, c.r, c.targets)))
                 )
