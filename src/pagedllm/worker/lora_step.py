@@ -84,8 +84,10 @@ class RunnerLoRA:
     ) -> LoRABatch | None:
         """Write the step's adapter loads into their pages; the deltas of its rows (None:
         every row runs on the base)."""
-        for load in step.lora_loads:
-            adapter = self.adapter(load.lora_path)
+        # Every read (host cache or disk) before any write: a read that fails fails the
+        # step with no page written, and the engine evicts the step's loads.
+        loads = [(load, self.adapter(load.lora_path)) for load in step.lora_loads]
+        for load, adapter in loads:
             write_adapter(cache, adapter.pack(), load.pages)
             self._paths[load.lora_id] = load.lora_path
             self._layouts[load.lora_id] = adapter.config
