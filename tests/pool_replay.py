@@ -15,6 +15,10 @@ def pool_from_json(data: Mapping[str, Any]) -> PoolState:
     state = PoolState(int(data["num_blocks"]), int(data["block_size"]))
     state.ref = [int(r) for r in data["ref"]]
     state.cached = [bool(c) for c in data["cached"]]
+    if "lora" in data:  # a pool with LoRA adapters' pages
+        state.has_adapters = True
+        state.lora = [int(x) for x in data["lora"]]
+        state.slot = [bool(x) for x in data["slot"]]
     state.tables = {
         (int(t["seq"]), int(t.get("g", 0))): TableState(
             t["req"], [int(b) for b in t["blocks"]], int(t["tokens"])

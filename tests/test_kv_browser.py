@@ -11,23 +11,28 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from browser import Browser, chromium_path
 from kv_demo import busy_server, freeze_when_busy, record_beam_search, start_load
 from live_server import build_chat_model
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_recorder import KVRecorder
-from pagedllm.engine.kv_trace import KVTrace
+from pagedllm.engine.kv_trace import FORMAT, VERSION, KVTrace
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.snapshot import take_snapshot
 from pagedllm.entrypoints.cli import main
 from pagedllm.entrypoints.kv_view.page import render
+from pagedllm.entrypoints.kv_view.trace_check import check_trace
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.fake_runner import FakeModelRunner
 from pagedllm.worker.runner import ModelSpec
+from test_scheduler_property import simulate_adapters
 
 pytestmark = pytest.mark.skipif(
     chromium_path() is None,
@@ -207,3 +212,44 @@ def test_replay_of_speculation_marks_lookahead_slots(browser: Browser, tmp_path:
         "s.dispatchEvent(new Event('input'))"
     )
     browser.wait_for("document.body.dataset.usedBlocks === '0'", "the empty pool at the end")
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_replay_draws_adapter_pages(browser: Browser, tmp_path: Path, static: bool) -> None:
+    """A scheduler run with LoRA adapters in the pool (tests/test_scheduler_property.py's),
+    recorded step by step: at a step after a load the page draws the adapters' pages (and
+    a static pool's slots) apart from KV blocks and logs the load; at the end only the
+    static slots' pages are left."""
+    records: list[dict[str, Any]] = []
+    start: dict[str, Any] = {}
+
+    def watch(sched: Scheduler) -> Callable[[], None]:
+        kv = sched.kv
+        recorder = KVRecorder(sched, kv, records.append, lambda: take_snapshot(sched, kv, 0))
+        kv.set_listener(recorder)
+        start.update(recorder.snapshot())
+        return lambda: recorder.on_step_begin(recorder.step + 1)  # publishes the step
+
+    sched = simulate_adapters(3, steps=120, static=static, watch=watch)
+    assert sched.kv.adapters is not None
+    reserved = sched.kv.adapters.config.reserved_blocks
+    trace = {"format": FORMAT, "version": VERSION, "meta": {}, "start": start, "records": records}
+    check_trace(trace)
+    loaded = next(r for r in records if any(e["k"] == "lora_load" for e in r["ev"]))
+    html = tmp_path / "lora.html"
+    html.write_text(render("replay", trace), encoding="utf-8")
+    browser.goto(html.as_uri() + f"#step={loaded['step']}")
+    browser.wait_for(f"document.body.dataset.step === '{loaded['step']}'", "the load's step")
+    data = browser.evaluate("JSON.parse(JSON.stringify(document.body.dataset))")
+    assert int(data["adapterBlocks"]) > 0
+    assert json.loads(data["counts"])["lora_load"] > 0
+    assert "adapter " in browser.evaluate("document.getElementById('log').textContent")
+    mode = "static" if static else "unified"
+    browser.screenshot(shots_dir(tmp_path) / f"kv-view-lora-{mode}.png")
+    browser.evaluate(
+        "const s = document.getElementById('slider'); s.value = s.max;"
+        "s.dispatchEvent(new Event('input'))"
+    )
+    browser.wait_for(
+        f"document.body.dataset.adapterBlocks === '{reserved}'", "only static slots at the end"
+    )

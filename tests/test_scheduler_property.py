@@ -22,7 +22,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -35,6 +35,7 @@ from pagedllm.core.sequence import Sequence as Seq
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidParameterError
+from pagedllm.kv.adapter_pages import AdapterPoolConfig
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.worker.batch_tables import BatchTables, ListTableStore
@@ -97,13 +98,18 @@ def check_invariants(sched: Scheduler) -> None:
     kv = sched.kv
     alloc = kv.allocator
     bs = kv.block_size
-    # Reference counts equal the table entries pointing at a block, summed over groups.
+    # Reference counts equal the table entries pointing at a block, summed over groups;
+    # a page an adapter holds (LoRA) has one reference of its own and is in no table.
     refs = Counter(b for t in kv.tables.values() for b in t.blocks)
+    pages = adapter_pages(kv)
+    assert not pages.keys() & refs.keys()
     free = alloc.free_block_ids()
     assert len(free) == len(set(free))
     for block in range(alloc.num_blocks):
-        assert alloc.ref_count(block) == refs.get(block, 0)
-        assert (block in set(free)) == (refs.get(block, 0) == 0)
+        assert alloc.ref_count(block) == refs.get(block, 0) + (block in pages)
+        assert (block in set(free)) == (alloc.ref_count(block) == 0)
+        if block in pages:
+            assert alloc.cached_info(block) is None
     assert alloc.num_used_blocks + alloc.num_free_blocks == alloc.num_blocks
     chunk = sched.config.max_num_batched_tokens
     for seq in kv.tables.values():
@@ -150,9 +156,28 @@ def check_invariants(sched: Scheduler) -> None:
                     n = min(bs, max(0, table.num_tokens - i * bs))
                     filled[block] = max(filled.get(block, 0), n)
     usage = kv.usage()
+    assert usage.adapter_blocks == len(pages)
+    assert usage.used_blocks + usage.adapter_blocks + usage.free_blocks == usage.num_blocks
     assert usage.tokens_stored == sum(filled.values())
     assert usage.block_references == sum(len(t.blocks) for t in kv.tables.values())
     assert usage.shared_blocks == sum(1 for b in filled if alloc.ref_count(b) > 1)
+
+
+def adapter_pages(kv: KVCacheManager) -> dict[int, int | None]:
+    """Page -> the adapter resident in it (None: a static slot's page no adapter uses);
+    every page held once."""
+    ad = kv.adapters
+    if ad is None:
+        return {}
+    pages: dict[int, int | None] = {}
+    if ad.static:
+        pages = {b: None for b in range(ad.config.reserved_blocks)}  # a fresh pool's first
+    for lora_id, resident in ad.resident.items():
+        for page in resident.pages:
+            assert pages.get(page) is None, f"page {page} held twice"
+            pages[page] = lora_id
+    assert len(pages) == ad.held_blocks()
+    return pages
 
 
 def random_layers(rng: random.Random, hybrid: bool) -> tuple[int, tuple[int | None, ...] | None]:
@@ -463,3 +488,134 @@ def test_runner_rows_take_the_lowest_free_row_and_apply_changes_in_place() -> No
     assert [tables.tables_of(i) for i in (12, 13, 14)] == [((2,),), ((1,),), ((5, 5),)]
     with pytest.raises(RuntimeError, match="no tables of it"):
         tables.apply(step(seq(15, (1,), False)))
+
+
+def simulate_adapters(
+    seed: int,
+    steps: int = 200,
+    static: bool = False,
+    watch: Callable[[Scheduler], Callable[[], None]] | None = None,
+) -> Scheduler:
+    """The scheduler with LoRA adapters in the pool (unified pages or static slots),
+    driven directly (random tokens, no runner): random arrivals under a few adapters and
+    the base model, parallel samples (forks share the request's pin), aborts, drops of
+    adapters (no new request under one afterwards, as the engine refuses a retired id)
+    and preemptions under a tiny pool. After every step: the pool invariants above (an
+    adapter's pages in no table, held once), each adapter pinned once per running request
+    under it, and the runner's view: every page of an adapter a step runs was written by
+    that adapter's latest load and by nothing since. At the end the pool is whole.
+    `watch(scheduler)`, called once at the start, gives a check to call after every step
+    and at the end (the KV events' tests)."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    num_blocks = rng.randint(16, 40)
+    slot_pages = rng.randint(1, 4)
+    config = (
+        AdapterPoolConfig("static", rng.randint(1, 3), slot_pages)
+        if static
+        else AdapterPoolConfig()
+    )
+    kv = KVCacheManager(num_blocks, block_size, adapters=config)
+    ad = kv.adapters
+    assert ad is not None
+    sched = Scheduler(
+        SchedulerConfig(
+            max_model_len=num_blocks * block_size // 2,
+            max_num_seqs=rng.randint(1, 6),
+            max_num_batched_tokens=rng.randint(4, 32),
+        ),
+        kv,
+    )
+    lora_sizes = {i: rng.randint(1, slot_pages) for i in range(1, 5)}
+    retired: set[int] = set()
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 10))] for _ in range(2)]
+    max_tokens: dict[str, int] = {}
+    written: dict[int, object] = {}  # the runner's pool: page -> what it last wrote there
+    check = watch(sched) if watch is not None else None
+    next_id = 0
+    for _ in range(steps):
+        if rng.random() < 0.5:
+            lora = rng.choice([0, 0, *[i for i in lora_sizes if i not in retired]])
+            prompt = rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 5))]
+            n, new = rng.choice([1, 1, 2]), rng.randint(1, 12)
+            pages = lora_sizes[lora] if lora else 0
+            try:
+                sched.check_fits(len(prompt), new, n, lora_pages=pages)
+            except InvalidParameterError:
+                pass
+            else:
+                rid = f"r{next_id}"
+                seq = Seq(sched.new_seq_id(), prompt, len(prompt))
+                sched.add_request(
+                    Request(rid, [seq], n, lora_id=lora, lora_path=f"/a{lora}", lora_pages=pages)
+                )
+                max_tokens[rid] = len(prompt) + new
+            next_id += 1
+        if sched.requests and rng.random() < 0.05:
+            sched.abort(rng.choice(list(sched.requests)))
+        if rng.random() < 0.03:
+            lora = rng.choice(list(lora_sizes))
+            retired.add(lora)
+            ad.drop(lora)
+        out = sched.schedule()
+        for load in out.lora_loads:
+            assert ad.resident[load.lora_id].pages == load.pages
+            for page in load.pages:
+                written[page] = ("lora", load.lora_id)
+        assert {s.lora_id for s in out.seqs} - {0} == set(out.lora_pages)
+        for lora, pages in out.lora_pages.items():
+            assert pages == ad.resident[lora].pages and ad.pins(lora) > 0
+            assert all(written.get(p) == ("lora", lora) for p in pages)
+        for s in out.seqs:
+            assert s.lora_id == sched.requests[s.request_id].lora_id
+            for block in kv.block_tables(s.seq_id)[0]:
+                assert block not in adapter_pages(kv)
+                written[block] = "kv"
+        sched.update_from_output(out)
+        for rid in out.chunk_sizes:
+            req = sched.requests[rid]
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            for seq in list(req.seqs):
+                seq.token_ids.append(rng.randrange(1, VOCAB))
+            if len(req.seqs) < req.num_seq_slots and not req.finished_seqs:
+                parent = req.seqs[0]
+                child = Seq(sched.new_seq_id(), list(parent.token_ids), parent.num_prompt_tokens)
+                child.token_ids[-1] = rng.randrange(1, VOCAB)
+                sched.fork(req, parent, child)
+            if req.num_tokens >= max_tokens[rid] or rng.random() < 0.05:
+                for seq in list(req.seqs):
+                    sched.finish_seq(req, seq)
+        check_invariants(sched)
+        pins = Counter(r.lora_id for r in sched.running if r.lora_id)
+        assert {i: a.pins for i, a in ad.resident.items() if a.pins} == dict(pins)
+        if check is not None:
+            check()
+    for rid in list(sched.requests):
+        sched.abort(rid)
+    for lora in lora_sizes:
+        ad.drop(lora)
+    check_invariants(sched)
+    if check is not None:
+        check()
+    assert not ad.resident and not kv.tables
+    assert kv.num_free_blocks == kv.num_kv_blocks == num_blocks - config.reserved_blocks
+    return sched
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32), st.booleans())
+def test_pool_stays_consistent_with_adapters(seed: int, static: bool) -> None:
+    simulate_adapters(seed, static=static)
+
+
+def test_adapter_runs_load_evict_and_preempt() -> None:
+    """The randomized adapter runs really load, evict, reload and preempt."""
+    loads = evictions = preemptions = 0
+    for seed in range(12):
+        sched = simulate_adapters(seed, steps=300, static=seed % 3 == 0)
+        assert sched.kv.adapters is not None
+        loads += sched.kv.adapters.num_loads
+        evictions += sched.kv.adapters.num_evictions
+        preemptions += sched.num_preemptions
+    assert loads > evictions > 0 and preemptions > 0

@@ -13,6 +13,11 @@ running request cannot get a block, the most recently admitted running request i
 preempted by recomputation: its blocks are freed and it goes back to the front of the
 waiting queue keeping its generated tokens.
 
+A request under a LoRA adapter (`Request.lora_id` > 0) pins it while it runs: admission
+counts the adapter's pages when it is not resident and loads it (kv/adapter_pages.py),
+finishing, aborting or preempting the request unpins it; the step lists the adapters it
+loaded (`lora_loads`, for the runner to write) and the pages of every adapter it runs.
+
 The output (core/scheduler_output.py) speaks to a runner that keeps its own copy of the
 running sequences' block tables: a running sequence sends only what its tables gained.
 """
@@ -24,7 +29,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pagedllm.core.scheduler_output import ScheduledSeq, SchedulerOutput, SentTables
+from pagedllm.core.scheduler_output import AdapterLoad, ScheduledSeq, SchedulerOutput, SentTables
 from pagedllm.core.sequence import Request, RequestStatus, Sequence
 from pagedllm.errors import CONTEXT_LENGTH_EXCEEDED, KV_CACHE_EXCEEDED, InvalidParameterError
 from pagedllm.kv.manager import KVCacheManager
@@ -56,6 +61,8 @@ class Scheduler:
         self._sent_tables = SentTables()  # what the runner's copy of the tables holds
         # Request id -> lookahead slots the last schedule() claimed past its chunk.
         self._lookahead: dict[str, int] = {}
+        # Adapters loaded for requests admitted since the last step that ran.
+        self._loads: dict[int, AdapterLoad] = {}
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -83,12 +90,16 @@ class Scheduler:
         num_seqs: int = 1,
         reserve_tokens: int = 0,
         num_seqs_param: str = "n",
+        lora_pages: int = 0,
     ) -> None:
         """Raise InvalidParameterError if such a request could never run, even alone.
 
-        The error names what to change: `num_seqs_param` (the parameter that asked for
-        `num_seqs` sequences) when one sequence would fit, else `max_tokens` when the
-        prompt leaves room for it, else `prompt`."""
+        `lora_pages`: the pages of the adapter it runs under (0: the base model), which
+        share the pool with its KV blocks (in static mode: must fit one slot). The error
+        names what to change: `lora_request` when the adapter alone leaves no room,
+        `num_seqs_param` (the parameter that asked for `num_seqs` sequences) when one
+        sequence would fit, else `max_tokens` when the prompt leaves room for it, else
+        `prompt`."""
         total = num_tokens + max_new_tokens
         limit = self.config.max_model_len
         if total > limit:
@@ -110,7 +121,22 @@ class Scheduler:
                 )
         # Recomputation after preemption loses sharing: bound without it. A window group
         # holds the most while it computes the longest chunk a step can give.
-        usable = self.kv.num_blocks - self.kv.watermark_blocks
+        usable = self.kv.num_kv_blocks - self.kv.watermark_blocks
+        adapters = self.kv.adapters
+        if lora_pages and adapters is None:
+            raise InvalidParameterError("lora_request", "this engine serves no LoRA adapters")
+        if lora_pages and adapters is not None:
+            slot = adapters.config.slot_pages if adapters.static else usable - 1
+            if lora_pages > slot:
+                where = "a static adapter slot" if adapters.static else "the pool"
+                raise InvalidParameterError(
+                    "lora_request",
+                    f"the adapter takes {lora_pages} pages of {self.kv.block_size}-token "
+                    f"blocks; {where} leaves {slot} for it",
+                    KV_CACHE_EXCEEDED,
+                )
+            if not adapters.static:
+                usable -= lora_pages
         chunk = self.config.max_num_batched_tokens
         needed = num_seqs * self.kv.blocks_for_tokens(total, chunk, reserve_tokens)
         if needed > usable:
@@ -144,6 +170,7 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._running_seq_slots -= req.num_seq_slots
+            self.kv.unpin_adapter(req.lora_id)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         for seq in req.seqs:
@@ -168,6 +195,7 @@ class Scheduler:
         if not req.seqs:
             self.running.remove(req)
             self._running_seq_slots -= req.num_seq_slots
+            self.kv.unpin_adapter(req.lora_id)
             del self.requests[req.request_id]
             req.status = RequestStatus.FINISHED
 
@@ -187,15 +215,21 @@ class Scheduler:
 
     def num_admissible(self) -> int:
         """How many waiting requests could be admitted now, in queue order, by sequence
-        slots and free KV blocks (the watermark and each request's reservation counted).
-        An estimate from below: prefix-cache hits and chunking can admit more."""
+        slots and free KV blocks (the watermark and each request's reservation counted;
+        unpinned adapters' pages count as free, and each adapter to pin its pages once).
+        An estimate from below: prefix-cache hits and chunking can admit more (static
+        adapter slots are not counted)."""
         slots = self.config.max_num_seqs - self._running_seq_slots
-        blocks = self.kv.num_free_blocks - self.kv.watermark_blocks
+        blocks = self.kv.num_available_blocks - self.kv.watermark_blocks
         admissible = 0
+        pinning: set[int] = set()  # adapters of the requests counted so far
         for req in self.waiting:  # admission is in queue order: stop at the first misfit
             need = len(req.seqs) * self.kv.blocks_for_tokens(
                 req.num_tokens, self.config.max_num_batched_tokens, req.reserve_tokens
             )
+            if req.lora_id not in pinning:
+                need += self.kv.adapter_pages_to_pin(req.lora_id, req.lora_pages)
+                pinning.add(req.lora_id)
             if req.num_seq_slots > slots or need > blocks:
                 break
             slots -= req.num_seq_slots
@@ -262,8 +296,12 @@ class Scheduler:
             self._claim_lookahead(req, req.num_computed_tokens + chunk)
 
         seqs = []
+        lora_pages: dict[int, tuple[int, ...]] = {}
         for request_id, chunk in scheduled.items():
             req = self.requests[request_id]
+            if req.lora_id and req.lora_id not in lora_pages:
+                assert self.kv.adapters is not None
+                lora_pages[req.lora_id] = self.kv.adapters.resident[req.lora_id].pages
             start = req.num_computed_tokens
             draft = drafts.get(request_id, ())
             end = start + chunk - len(draft)
@@ -280,15 +318,18 @@ class Scheduler:
                         needs_logits=end == req.num_tokens,
                         draft_token_ids=draft,
                         replaces_tables=replaces,
+                        lora_id=req.lora_id,
                     )
                 )
         # The runner hears of ended sequences (and drops their seeded generators) only
         # through a step it runs: a step with nothing to run keeps them for the next one.
         finished: tuple[int, ...] = ()
         gone: tuple[int, ...] = ()
+        loads: tuple[AdapterLoad, ...] = ()
         if seqs:
             finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
             gone, self._preempted_seq_ids = tuple(self._preempted_seq_ids), []
+            loads = self._take_loads()
         return SchedulerOutput(
             seqs=tuple(seqs),
             chunk_sizes=scheduled,
@@ -296,6 +337,8 @@ class Scheduler:
             preempted=tuple(preempted),
             finished_seq_ids=finished,
             preempted_seq_ids=gone,
+            lora_loads=loads,
+            lora_pages=lora_pages,
         )
 
     def update_from_output(
@@ -336,6 +379,20 @@ class Scheduler:
     def _allocate(self, req: Request, num_tokens: int) -> bool:
         return all(self.kv.allocate_slots(s.seq_id, num_tokens) for s in req.seqs)
 
+    def _take_loads(self) -> tuple[AdapterLoad, ...]:
+        """The adapters loaded since the last step that ran and still in those pages (one
+        evicted since is loaded anew, as another AdapterLoad, when next admitted)."""
+        loads, self._loads = self._loads, {}
+        adapters = self.kv.adapters
+        if adapters is None:
+            return ()
+        return tuple(
+            load
+            for lora_id, load in loads.items()
+            if (resident := adapters.resident.get(lora_id)) is not None
+            and resident.pages == load.pages
+        )
+
     def _claim_lookahead(self, req: Request, num_tokens: int) -> None:
         """Claim `req.num_lookahead_tokens` slots past `num_tokens` when the step computes
         up to its last token; from free blocks only (they preempt nobody), else none."""
@@ -349,21 +406,32 @@ class Scheduler:
         # Prompt log-probabilities need the logits of every prompt position: such a
         # request computes its prompt whole (its blocks still join the cache).
         hits = self.kv.lookup_prefix(
-            [s.token_ids for s in req.seqs], use_cache=not req.computes_prompt_logprobs
+            [s.token_ids for s in req.seqs],
+            use_cache=not req.computes_prompt_logprobs,
+            lora_id=req.lora_id,
         )
         num_cached = hits[0].num_blocks * self.kv.block_size
         chunk = min(req.num_tokens - num_cached, budget // k)
         if chunk <= 0:
             return 0
+        adapters = self.kv.adapters
+        loads = req.lora_id and adapters is not None and req.lora_id not in adapters.resident
         ok = self.kv.admit(
             [s.seq_id for s in req.seqs],
             hits,
             num_cached + chunk,
             reserve_tokens=req.reserve_tokens,
             keep_watermark=True,
+            lora_id=req.lora_id,
+            lora_pages=req.lora_pages,
+            lora_path=req.lora_path,
         )
         if not ok:
             return 0
+        if loads:
+            assert adapters is not None and req.lora_path is not None
+            pages = adapters.resident[req.lora_id].pages
+            self._loads[req.lora_id] = AdapterLoad(req.lora_id, req.lora_path, pages)
         req.num_computed_tokens = num_cached
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_cached
@@ -379,6 +447,7 @@ class Scheduler:
         for seq in req.seqs:
             self._free(seq.seq_id)
             self._preempted_seq_ids.append(seq.seq_id)
+        self.kv.unpin_adapter(req.lora_id)  # re-pinned (reloaded if evicted) at readmission
         req.num_computed_tokens = 0
         req.draft_token_ids = []
         req.num_preemptions += 1

@@ -28,6 +28,7 @@ from pagedllm.engine.kv_event_wire import (
 from pagedllm.engine.listeners import StepListener
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
+from pagedllm.kv.block_hash import root_hash
 from pagedllm.kv.events import TableView
 from pagedllm.kv.manager import KVCacheManager
 
@@ -74,13 +75,15 @@ class CacheEventCollector(StepListener):
             last.block_hashes.append(info.block_hash)
             last.token_ids.extend(info.token_ids)
             return
+        # A chain's first block: its parent is the root, b"" or its adapter's (sent nil).
+        first = info.parent_hash == root_hash(info.lora_id)
         self._events.append(
             BlockStored(
                 block_hashes=[info.block_hash],
-                parent_block_hash=info.parent_hash or None,
+                parent_block_hash=None if first else info.parent_hash,
                 token_ids=list(info.token_ids),
                 block_size=self.block_size,
-                lora_id=None,
+                lora_id=info.lora_id or None,
                 medium=None,
                 lora_name=None,
             )
@@ -99,6 +102,13 @@ class CacheEventCollector(StepListener):
     def on_cache_reset(self) -> None:
         self._hash_of.clear()
         self._events.append(AllBlocksCleared())
+
+    # ------------------------------ adapters' pages hold no cached prefix
+    def on_adapter_loaded(self, lora_id: int, pages: tuple[int, ...]) -> None:
+        pass
+
+    def on_adapter_evicted(self, lora_id: int, pages: tuple[int, ...]) -> None:
+        pass
 
     # ------------------------------- the manager's hooks: tables say nothing here
     def on_admitted(self, seq_id: int, table: TableView, num_hits: int, group: int = 0) -> None:

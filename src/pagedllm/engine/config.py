@@ -166,6 +166,12 @@ class EngineConfig:
                 "LoRA adapters take pages of the paged pool: enable_lora needs "
                 f"kv_reservation='paged', got {self.kv_reservation!r}",
             )
+        if self.speculative_method == "draft":
+            raise InvalidParameterError(
+                "speculative_method",
+                "the draft model has no LoRA adapters: with enable_lora use "
+                "speculative_method 'ngram' or none",
+            )
 
     def with_quantizations_of(self, options: RunnerOptions) -> EngineConfig:
         """This configuration with the quantizations `options` hold (once "auto" is decided:

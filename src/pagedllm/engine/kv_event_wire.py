@@ -11,12 +11,15 @@ and an event is a tagged array whose first element names its kind:
 
 Block hashes are pagedllm's own: the first 16 bytes of the chained sha256 of
 kv/block_hash.py's `hash_block` (msgpack bin, not vLLM's ints), with the chain starting
-from the empty parent b"" (sent as `parent_block_hash` nil). A BlockStored carries the
-token ids of all its blocks (`block_size` each, in order, each block the parent of the
-next), so a subscriber can check or rebuild every hash: `hash_block(parent or b"",
-tokens)`. `lora_id`, `medium` and `lora_name` are always nil: the engine has one pool and
-no adapters. Each ZeroMQ message is three frames: topic, an 8-byte big-endian sequence
-number (0, 1, 2, ... per publisher: a gap means batches were lost), the payload.
+from its root (sent as `parent_block_hash` nil): the empty parent b"" for the base model,
+`root_hash(lora_id)` for blocks computed under a LoRA adapter, whose BlockStored carries
+that `lora_id` (nil for the base model): a prefix is shared within an adapter only. A
+BlockStored carries the token ids of all its blocks (`block_size` each, in order, each
+block the parent of the next), so a subscriber can check or rebuild every hash:
+`hash_block(parent or root_hash(lora_id or 0), tokens)`. `medium` and `lora_name` are
+always nil: the engine has one pool. Each ZeroMQ message is three frames: topic, an
+8-byte big-endian sequence number (0, 1, 2, ... per publisher: a gap means batches were
+lost), the payload.
 """
 
 from __future__ import annotations

@@ -115,6 +115,13 @@ class KVRecorder(StepListener):
     def on_cache_reset(self) -> None:
         self._events.append({"k": "reset"})
 
+    # ------------------------------------------------ the adapters' hooks
+    def on_adapter_loaded(self, lora_id: int, pages: tuple[int, ...]) -> None:
+        self._events.append({"k": "lora_load", "lora": lora_id, "blocks": list(pages)})
+
+    def on_adapter_evicted(self, lora_id: int, pages: tuple[int, ...]) -> None:
+        self._events.append({"k": "lora_evict", "lora": lora_id, "blocks": list(pages)})
+
     # --------------------------------------------------- the manager's hooks
     def on_admitted(self, seq_id: int, table: TableView, num_hits: int, group: int = 0) -> None:
         req = self._request_of(seq_id)
@@ -317,4 +324,5 @@ def _request_json(req: Request) -> dict[str, Any]:
         "width": req.num_seq_slots,
         "beam": isinstance(req.params, BeamSearchParams),
         "preemptions": req.num_preemptions,
+        "lora": req.lora_id,
     }

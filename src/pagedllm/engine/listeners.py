@@ -58,6 +58,14 @@ class KVHooks:
         for listener in self.listeners:
             listener.on_cache_reset()
 
+    def on_adapter_loaded(self, lora_id: int, pages: tuple[int, ...]) -> None:
+        for listener in self.listeners:
+            listener.on_adapter_loaded(lora_id, pages)
+
+    def on_adapter_evicted(self, lora_id: int, pages: tuple[int, ...]) -> None:
+        for listener in self.listeners:
+            listener.on_adapter_evicted(lora_id, pages)
+
     def on_admitted(self, seq_id: int, table: TableView, num_hits: int, group: int = 0) -> None:
         for listener in self.listeners:
             listener.on_admitted(seq_id, table, num_hits, group=group)

@@ -32,6 +32,11 @@ tokens), scheduled as real tokens; the step checks them in one forward pass over
 positions, and the request keeps the accepted ones (cut at a stop, EOS or max_tokens as
 if drawn one by one) plus the model's own next token.
 
+LoRA (`enable_lora`, docs/lora.md): a request may name a PEFT adapter of the base
+(`lora_request`); the engine knows each adapter by its id (engine/lora_adapters.py), the
+scheduler pins its pages in the pool while the request runs, and the runner computes the
+request's rows under it.
+
 Outside code reads the engine through `snapshot()` and listens through `add_listener()`
 (engine/listeners.py) or `record_kv()`; nothing outside engine/ touches its scheduler,
 block manager or runner.
@@ -55,6 +60,7 @@ from pagedllm.engine.kv_event_access import CurveKeys, who_may_subscribe
 from pagedllm.engine.kv_pool_setup import build_kv_pool
 from pagedllm.engine.kv_recorder import KVRecorder, Record, Sink, engine_snapshot
 from pagedllm.engine.listeners import Listeners, StepListener
+from pagedllm.engine.lora_adapters import KnownAdapter, LoRAAdapters
 from pagedllm.engine.memory_check import check_memory
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestOutput
@@ -68,6 +74,7 @@ from pagedllm.engine.step_rows import (
     StepRows,
 )
 from pagedllm.kv.manager import KVUsage
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 from pagedllm.worker.runner import (
     ModelRunner,
@@ -107,8 +114,12 @@ class LLMEngine:
         self.tokenizer = tokenizer
         spec = runner.spec
         self.vocab_size = spec.vocab_size
-        self.kv, max_len = build_kv_pool(config, runner)
+        pool = build_kv_pool(config, runner)
+        self.kv, max_len = pool.kv, pool.max_model_len
         self.max_model_len = max_len
+        self.loras = LoRAAdapters(
+            config.enable_lora, lambda path: runner.adapter_pages(path, config.block_size)
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=max_len,
@@ -157,15 +168,18 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
         grammar: Any = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; InvalidParameterError if it is malformed or could never fit.
 
         With BeamSearchParams the request runs a beam search in the engine. `grammar`: the
         compiled grammar of the params' structured output, from `compile_grammar` (the
         async engine compiles it off this thread); compiled here if not given.
+        `lora_request`: the LoRA adapter it runs under (None: the base model).
         """
         params = params or SamplingParams()
-        checked = self.checks.check(prompt, params)
+        adapter = self.loras.check(lora_request) if lora_request is not None else None
+        checked = self.checks.check(prompt, params, adapter.pages if adapter else 0)
         spec = params.structured_outputs if isinstance(params, SamplingParams) else None
         if spec is None:
             grammar = None
@@ -184,6 +198,9 @@ class LLMEngine:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             prompt=prompt if isinstance(prompt, str) else None,
         )
+        if adapter is not None:
+            request.lora_id, request.lora_path = adapter.lora_id, adapter.path
+            request.lora_pages = adapter.pages
         if self.speculation is not None:
             self.speculation.prepare(request)
         self.scheduler.add_request(request)
@@ -191,13 +208,38 @@ class LLMEngine:
             self._beams[request_id] = BeamState(params, frozenset(self.eos_token_ids))
 
     def check_request(
-        self, prompt: Seq[int], params: SamplingParams | BeamSearchParams | None = None
+        self,
+        prompt: Seq[int],
+        params: SamplingParams | BeamSearchParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """InvalidParameterError if add_request would refuse this request for its token
-        ids, sequence count, context or KV-pool fit: checks that cost next to nothing, for
-        the server to make before it compiles a grammar. Safe from any thread (it reads
-        only what the engine's configuration fixes)."""
-        self.checks.check(prompt, params or SamplingParams())
+        ids, sequence count, context, adapter or KV-pool fit: checks that cost next to
+        nothing once its adapter is known, for the server to make before it compiles a
+        grammar. Safe from any thread (it reads only what the engine's configuration and
+        its known adapters fix)."""
+        adapter = self.loras.check(lora_request) if lora_request is not None else None
+        self.checks.check(prompt, params or SamplingParams(), adapter.pages if adapter else 0)
+
+    def check_lora(self, lora_request: LoRARequest) -> KnownAdapter:
+        """The adapter `lora_request` names, checked: its files against the base model and
+        max_lora_rank, its id against the adapters seen before, and its pages against the
+        pool (a one-token request under it must fit); InvalidParameterError naming the
+        field otherwise. Safe from any thread."""
+        adapter = self.loras.check(lora_request)
+        self.scheduler.check_fits(1, 1, lora_pages=adapter.pages)
+        return adapter
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget the adapter `lora_int_id`: requests running under it finish under it, its
+        pages return to the pool when the last of them ends, and the id is not taken again.
+        False if no such adapter was known."""
+        if not self.loras.retire(lora_int_id):
+            return False
+        if self.kv.adapters is not None:
+            self.kv.adapters.drop(lora_int_id)
+        self.runner.drop_adapter(lora_int_id)
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; every block it held returns to the pool."""

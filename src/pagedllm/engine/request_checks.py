@@ -34,13 +34,18 @@ class RequestChecks:
     eos_token_ids: Collection[int]
     max_model_len: int
     kv_reservation: str
-    # Scheduler.check_fits: (prompt tokens, max new tokens, sequences, reserved, param)
-    check_fits: Callable[[int, int, int, int, str], None]
+    # Scheduler.check_fits: (prompt tokens, max new tokens, sequences, reserved, param,
+    # adapter pages)
+    check_fits: Callable[[int, int, int, int, str, int], None]
 
     def check(
-        self, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | BeamSearchParams,
+        lora_pages: int = 0,
     ) -> CheckedRequest:
-        """The request as it would run; InvalidParameterError naming the field otherwise."""
+        """The request as it would run under an adapter of `lora_pages` pool pages (0: the
+        base); InvalidParameterError naming the field otherwise."""
         is_beam = isinstance(params, BeamSearchParams)
         ids = encode_text(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         prompt_ids = check_token_ids(ids, self.vocab_size)
@@ -73,5 +78,5 @@ class RequestChecks:
             )
         max_new = params.max_tokens or max(self.max_model_len - len(prompt_ids), 1)
         reserve = reserve_tokens(self.kv_reservation, len(prompt_ids), max_new, self.max_model_len)
-        self.check_fits(len(prompt_ids), max_new, num_seqs, reserve, seqs_param)
+        self.check_fits(len(prompt_ids), max_new, num_seqs, reserve, seqs_param, lora_pages)
         return CheckedRequest(prompt_ids, num_seqs, reserve)

@@ -54,6 +54,10 @@ class EngineSnapshot:
     spec_checks: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # LoRA adapters since the engine started: loads into pool pages (first uses and
+    # reloads after an eviction) and evictions to make room.
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
     @property
     def backlog(self) -> int:
@@ -140,4 +144,6 @@ def take_snapshot(
         spec_checks=speculation[0],
         spec_proposed_tokens=speculation[1],
         spec_accepted_tokens=speculation[2],
+        lora_loads=kv.adapters.num_loads if kv.adapters is not None else 0,
+        lora_evictions=kv.adapters.num_evictions if kv.adapters is not None else 0,
     )

@@ -21,6 +21,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.chat_template import encode_chat
 from pagedllm.errors import InvalidParameterError
 from pagedllm.loader import LoadedModel
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptInput = str | dict[str, Any] | Sequence[int]
@@ -46,9 +47,12 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | BeamSearchParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order (the
-        params' output_kind is ignored: each output is the request's final one)."""
+        params' output_kind is ignored: each output is the request's final one).
+        `lora_request`: the LoRA adapter every prompt runs under, or one per prompt (None:
+        the base model)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -65,15 +69,18 @@ class LLM:
                     "sampling_params",
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts",
                 )
+        loras = _per_prompt(lora_request, len(prompts))
         # Only the final outputs are kept: the engine builds no other.
         final_only = {
             id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list
         }
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, _prompt_of(prompt), final_only[id(params)])
+                self.engine.add_request(
+                    request_id, _prompt_of(prompt), final_only[id(params)], lora_request=lora
+                )
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # nothing half-queued stays behind
@@ -86,9 +93,10 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         params: BeamSearchParams,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Beam search in the engine; each output lists its beams best first."""
-        return self.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+        return self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)  # type: ignore[arg-type]
 
     def chat(
         self,
@@ -96,6 +104,7 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or several, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -103,7 +112,7 @@ class LLM:
             {"prompt_token_ids": self.encode_chat(conv, add_generation_prompt)}  # type: ignore[arg-type]
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         return encode_chat(self.engine.tokenizer, messages, add_generation_prompt)
@@ -134,6 +143,19 @@ class LLM:
             for request_id in wanted - done.keys():  # interrupted: free their blocks
                 engine.abort(request_id)
         return [done[r] for r in request_ids]
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise InvalidParameterError(
+            "lora_request", f"got {len(loras)} LoRA requests for {num_prompts} prompts"
+        )
+    return loras
 
 
 def _prompt_of(prompt: PromptInput) -> str | list[int]:

@@ -6,6 +6,7 @@ worker owns the tensors and only ever sees block ids.
 """
 
 from pagedllm.errors import NoFreeBlocksError
+from pagedllm.kv.adapter_pages import AdapterPages, AdapterPoolConfig, ResidentAdapter
 from pagedllm.kv.allocator import BlockAllocator
 from pagedllm.kv.block_table import BlockTable
 from pagedllm.kv.groups import KVGroupSpec, group_layers
@@ -13,6 +14,8 @@ from pagedllm.kv.manager import KVCacheManager, KVUsage
 from pagedllm.kv.sequence_blocks import CachedPrefix, SequenceBlocks
 
 __all__ = [
+    "AdapterPages",
+    "AdapterPoolConfig",
     "BlockAllocator",
     "BlockTable",
     "CachedPrefix",
@@ -20,6 +23,7 @@ __all__ = [
     "KVGroupSpec",
     "KVUsage",
     "NoFreeBlocksError",
+    "ResidentAdapter",
     "SequenceBlocks",
     "group_layers",
 ]

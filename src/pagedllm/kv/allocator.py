@@ -29,6 +29,7 @@ class CachedBlock:
     parent_hash: bytes
     token_ids: tuple[int, ...]
     group: int = 0  # the layer group whose K/V the block holds
+    lora_id: int = 0  # the adapter it was computed under (0: the base model)
 
 
 class BlockAllocator:
@@ -164,10 +165,12 @@ class BlockAllocator:
         token_ids: Sequence[int],
         group: int = 0,
         block_hash: bytes | None = None,
+        lora_id: int = 0,
     ) -> bytes:
-        """Record that `block` holds these (computed) tokens of `group`; returns the
-        block's hash (`block_hash`: that hash, already computed). If another block
-        already holds the same content, that one stays the cached copy.
+        """Record that `block` holds these (computed) tokens of `group`, computed under
+        adapter `lora_id`; returns the block's hash (`block_hash`: that hash, already
+        computed). If another block already holds the same content, that one stays the
+        cached copy.
         """
         self._check(block)
         if block_hash is None:
@@ -175,7 +178,9 @@ class BlockAllocator:
         key = (group, block_hash)
         if key not in self._cached_by_hash and block not in self._cached_info:
             self._cached_by_hash[key] = block
-            self._cached_info[block] = CachedBlock(block_hash, parent_hash, tuple(token_ids), group)
+            self._cached_info[block] = CachedBlock(
+                block_hash, parent_hash, tuple(token_ids), group, lora_id
+            )
             if self.listener is not None:
                 self.listener.on_cached(block)
         return block_hash

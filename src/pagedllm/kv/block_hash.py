@@ -1,7 +1,9 @@
 """The prefix cache's block hash: one rule for the manager, the KV events and the router.
 
-A full block's hash chains its parent's hash (b"" for the first block) with its own
-token ids, so equal hashes mean equal prefixes. A cache hit covers at most the full
+A full block's hash chains its parent's hash with its own token ids, so equal hashes
+mean equal prefixes. The first block's parent is the chain's root: b"" for the base
+model, `root_hash(lora_id)` under a LoRA adapter, so that a prefix computed under one
+adapter never serves another. A cache hit covers at most the full
 blocks before the one holding the last token (`reusable_blocks`): the step that admits
 a sequence then still computes a token and produces logits. The Ray prefix router hashes
 a prompt with `prompt_block_hashes` to ask which replica holds it.
@@ -29,6 +31,13 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()[:16]
 
 
+def root_hash(lora_id: int = 0) -> bytes:
+    """The parent hash of a sequence's first block under adapter `lora_id` (0: none)."""
+    if lora_id == 0:
+        return b""
+    return hashlib.sha256(f"lora:{lora_id}".encode()).digest()[:16]
+
+
 def reusable_blocks(num_tokens: int, block_size: int) -> int:
     """Leading full blocks of a sequence of `num_tokens` tokens that a cache hit may
     cover: every one but the block holding the last token."""
@@ -52,7 +61,9 @@ def hashed_blocks(
         parent_hash = block_hash
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hashes of the prompt's blocks a cache hit could cover."""
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, lora_id: int = 0) -> list[bytes]:
+    """The chained hashes of the prompt's blocks a cache hit could cover (under adapter
+    `lora_id`)."""
     stop = reusable_blocks(len(token_ids), block_size)
-    return [b.block_hash for b in hashed_blocks(token_ids, block_size, stop)]
+    root = root_hash(lora_id)
+    return [b.block_hash for b in hashed_blocks(token_ids, block_size, stop, parent_hash=root)]

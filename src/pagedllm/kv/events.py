@@ -15,6 +15,8 @@ A model with several layer groups (kv/groups.py) has one table per sequence and 
 the table events of group g > 0 carry `"g": g` too (none: group 0, the only group of a
 model of one kind).
 
+LoRA adapters' pages (kv/adapter_pages.py) come and go with `lora_load` / `lora_evict`.
+
 Events of one engine step are grouped in a record `{"step": n, "ev": [...], "st": {...}}`
 with the step's figures in `st` (engine/kv_recorder.py).
 """
@@ -66,6 +68,13 @@ EVENT_FIELDS: dict[str, dict[str, str]] = {
     "abort": {"req": "req"},
     # (Only when text is asked for) the block's tokens.
     "text": {"block": "block", "text": "text"},
+    # LoRA adapter `lora` now holds `blocks` (its pages, in the order its weights fill
+    # them): fresh blocks (reference count 1), or pages of a static slot (reserved for
+    # adapters from the start, reference count 1 throughout).
+    "lora_load": {"lora": "id", "blocks": "blocks"},
+    # The adapter left its pages (evicted for room, or dropped): fresh ones go back to
+    # the pool (reference count 0), a static slot's stay reserved for the next adapter.
+    "lora_evict": {"lora": "id", "blocks": "blocks"},
 }
 
 
@@ -86,7 +95,15 @@ class PoolListener(Protocol):
     def on_cache_reset(self) -> None: ...
 
 
-class KVListener(PoolListener, Protocol):
+class AdapterListener(Protocol):
+    """Hooks of LoRA adapters' residency in pool pages (kv/adapter_pages.py)."""
+
+    def on_adapter_loaded(self, lora_id: int, pages: tuple[int, ...]) -> None: ...
+
+    def on_adapter_evicted(self, lora_id: int, pages: tuple[int, ...]) -> None: ...
+
+
+class KVListener(PoolListener, AdapterListener, Protocol):
     """Hooks of the manager: block tables start, grow, fork and go; `group` is the layer
     group the table belongs to (0 in a model of one kind)."""
 

@@ -6,7 +6,9 @@ from the tables, each block's fill and owners. `PoolState.of(manager)` reads a m
 `apply(event)` replays one event (kv/events.py `EVENT_FIELDS`), so replaying a run's events from the
 state it started in must give `PoolState.of` the manager at the end: the tests check
 exactly that, and the page's script replays the same way. Tables are keyed by
-(sequence, layer group); an entry given back behind a window is -1.
+(sequence, layer group); an entry given back behind a window is -1. With LoRA adapters
+in the pool, `lora` names the adapter holding each block (0: none) and `slot` marks the
+pages of static adapter slots (reserved for adapters from the start).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class PoolState:
         self.ref = [0] * num_blocks
         self.cached = [False] * num_blocks
         self.tables: dict[tuple[int, int], TableState] = {}  # (seq, group) -> table
+        self.has_adapters = False  # the pool holds LoRA adapters' pages (the JSON says so)
+        self.lora = [0] * num_blocks  # the adapter whose pages each block is (0: none)
+        self.slot = [False] * num_blocks  # a static adapter slot's page
 
     @classmethod
     def of(cls, kv: KVCacheManager, owners: Mapping[int, str] | None = None) -> PoolState:
@@ -50,6 +55,13 @@ class PoolState:
             for seq_id, seq in kv.tables.items()
             for g, t in enumerate(seq.groups)
         }
+        if kv.adapters is not None:
+            state.has_adapters = True
+            for page in kv.adapters.reserved_pages():
+                state.slot[page] = True
+            for lora_id, adapter in kv.adapters.resident.items():
+                for page in adapter.pages:
+                    state.lora[page] = lora_id
         return state
 
     # ------------------------------------------------------------------ replay
@@ -106,6 +118,14 @@ class PoolState:
             self.cached[event["block"]] = False
         elif kind == "reset":
             self.cached = [False] * self.num_blocks
+        elif kind == "lora_load":
+            for block in event["blocks"]:
+                self.ref[block] = 1
+                self.lora[block] = event["lora"]
+        elif kind == "lora_evict":
+            for block in event["blocks"]:
+                self.ref[block] = int(self.slot[block])
+                self.lora[block] = 0
         # preempt, finish, abort and text change no block.
 
     # ----------------------------------------------------------------- derived
@@ -142,6 +162,11 @@ class PoolState:
             "cached": [int(c) for c in self.cached],
             "fill": self.fill(),
             "owners": self.owners(),
+            **(
+                {"lora": list(self.lora), "slot": [int(s) for s in self.slot]}
+                if self.has_adapters
+                else {}
+            ),
             "seqs": [
                 {
                     "seq": seq_id,
@@ -163,6 +188,8 @@ class PoolState:
             and self.ref == other.ref
             and self.cached == other.cached
             and self.tables == other.tables
+            and self.lora == other.lora
+            and self.slot == other.slot
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable

@@ -36,10 +36,11 @@ class CachedPrefix:
 class SequenceBlocks:
     """The tables of one sequence, `groups[g]` for layer group g."""
 
-    def __init__(self, groups: list[BlockTable]) -> None:
+    def __init__(self, groups: list[BlockTable], lora_id: int = 0) -> None:
         if not groups:
             raise ValueError("a sequence needs one block table per layer group, at least one")
         self.groups = groups
+        self.lora_id = lora_id  # the adapter it runs under: its prefix-cache chain's root
 
     @property
     def num_tokens(self) -> int:

@@ -34,6 +34,7 @@ from pagedllm.model.fused_layer import FusedGGUFLayers, FusedInt8Layer
 from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight, embed_rows
 from pagedllm.model.layer_ops import TorchLayerOps
 from pagedllm.model.linear import DenseLinear, quantize_linears
+from pagedllm.model.linear_deltas import LinearDeltas
 from pagedllm.model.parallel import ParallelContext
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.model.weights import load_decoder_weights
@@ -100,6 +101,7 @@ class DecoderLayer(nn.Module):
         self.down = make_linear(linear, inter, hidden, False, ops, kernels)
         self.gelu = cfg.mlp_activation == "gelu_tanh"
         self.window = cfg.layer_window(index)  # tokens, or None: full attention
+        self.index = index
         self.attention = attention
         self.rotary = rotary
         self.ops = ops
@@ -113,11 +115,13 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_cache: KVCache,
         plan: Any,
+        deltas: LinearDeltas | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's output and the residual stream (updated in place): the next layer
         (or the final norm) adds the one to the other, fused with its norm. `plan`: the
-        attention backend's plan of this step."""
-        if self.fused is not None:
+        attention backend's plan of this step; `deltas`: what LoRA adapters add to the
+        linear layers' outputs (the compiled layer has no place for them)."""
+        if self.fused is not None and deltas is None:
             return self.fused(hidden, residual, positions, kv_cache, plan)
         t, ops, norm = hidden.shape[0], self.ops, self.input_layernorm
         if residual is None:  # the first layer: the embeddings are the residual stream
@@ -125,6 +129,8 @@ class DecoderLayer(nn.Module):
         else:
             x = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
         qkv = self.qkv(x)
+        if deltas is not None:
+            deltas.add(self.index, "qkv", x, qkv)
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_heads(qkv, self.q_norm, 0, self.num_heads)
             self._norm_heads(qkv, self.k_norm, self.num_heads, self.num_kv_heads)
@@ -135,14 +141,21 @@ class DecoderLayer(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         attn = self.attention(q, k, v, kv_cache[0], kv_cache[1], plan, self.window)
-        out = self._sum(self.o_proj(attn.reshape(t, -1)))
+        attn = attn.reshape(t, -1)
+        out = self._sum(self.o_proj(attn))
+        if deltas is not None:
+            deltas.add(self.index, "o_proj", attn, out)
         if self.attn_out_norm is not None:
             out = ops.rms_norm(out, self.attn_out_norm.weight, self.attn_out_norm.eps)
         norm = self.post_attention_layernorm
         x = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
         gate_up = self.gate_up(x)
+        if deltas is not None:
+            deltas.add(self.index, "gate_up", x, gate_up)
         act = ops.gelu_tanh_and_mul(gate_up) if self.gelu else ops.silu_and_mul(gate_up)
         out = self._sum(self.down(act))
+        if deltas is not None:
+            deltas.add(self.index, "down", act, out)
         if self.mlp_out_norm is not None:
             out = ops.rms_norm(out, self.mlp_out_norm.weight, self.mlp_out_norm.eps)
         return out, residual
@@ -231,9 +244,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata | GroupedAttentionMetadata,
+        deltas: LinearDeltas | None = None,
     ) -> torch.Tensor:
         """`attn_metadata`: one for every layer, or one per KV layer group (each layer
-        reads its group's block tables)."""
+        reads its group's block tables). `deltas`: what the rows' LoRA adapters add to the
+        linear layers' outputs (None: the base model for every row); it skips the
+        compiled all-layers call, which has no place for them."""
         table = self.embed_tokens
         if isinstance(table, GGUFWeight):
             hidden = embed_rows(input_ids, table)
@@ -245,12 +261,12 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * self.embed_scale.to(hidden.dtype)
         grouped = GroupedAttentionMetadata.of(attn_metadata, len(self.layers))
         plans = [self.attention.prepare(m) for m in grouped.groups]  # once for its layers
-        if self.fused_gguf is not None and len(plans) == 1:
+        if self.fused_gguf is not None and len(plans) == 1 and deltas is None:
             hidden, residual = self.fused_gguf(hidden, positions, kv_caches, plans[0])
         else:
             layers = zip(self.layers, kv_caches, grouped.layer_group, strict=True)
             for layer, kv_cache, g in layers:
-                hidden, residual = layer(hidden, residual, positions, kv_cache, plans[g])
+                hidden, residual = layer(hidden, residual, positions, kv_cache, plans[g], deltas)
         if residual is None:  # no layer ran: __init__ refuses such a model
             raise RuntimeError("the model ran no decoder layer")
         return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)

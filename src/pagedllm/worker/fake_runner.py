@@ -8,8 +8,10 @@ that checks proposed tokens (speculative decoding) keeps a deterministic number 
 block tables as the real runner does, from each step's changes (`tables`, the same
 BatchTables over lists), and the penalty counts (`penalties`, the same PenaltyRows over
 sets and Counters), so that tests can hold them against the scheduler's and the
-engine's. Driving the real LLMEngine with it gives the engine's exact block, admission
-and preemption figures at thousands of steps per second, without torch.
+engine's. LoRA adapters are sized from their adapter_config.json alone (rank and
+targets, `lora_rank_bytes` per unit of rank and target), with no weights. Driving the
+real LLMEngine with it gives the engine's exact block, admission and preemption figures
+at thousands of steps per second, without torch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.lora.peft_config import TARGETS, read_peft_config
 from pagedllm.worker.batch_tables import BatchTables, ListTableStore
 from pagedllm.worker.penalty_rows import ListCountStore, PenaltyRows
 from pagedllm.worker.runner import (
@@ -46,10 +49,14 @@ class FakeModelRunner:
         seed: int | None = None,
         kv_bytes_per_token: int = 1,
         num_accepted: Callable[[SampleRow], int] = default_num_accepted,
+        max_lora_rank: int = 16,
+        lora_rank_bytes: int = 64,
     ) -> None:
         """`kv_bytes_per_token`: what a token's K/V would take, for sizing the pool from a
         byte budget (default 1: a budget in bytes is then one in tokens). `num_accepted`:
-        how many of a speculating row's proposals to keep (clamped to 0..k)."""
+        how many of a speculating row's proposals to keep (clamped to 0..k).
+        `max_lora_rank`: the largest adapter rank accepted; `lora_rank_bytes`: the bytes
+        an adapter takes per unit of rank on each of its targets."""
         if not 0 <= token < spec.vocab_size:
             raise ValueError(f"token must be in [0, {spec.vocab_size - 1}], got {token}")
         if kv_bytes_per_token < 1:
@@ -59,6 +66,9 @@ class FakeModelRunner:
         self.rng = random.Random(seed) if seed is not None else None
         self.kv_bytes_per_token = kv_bytes_per_token
         self.num_accepted = num_accepted
+        self.max_lora_rank = max_lora_rank
+        self.lora_rank_bytes = lora_rank_bytes
+        self.dropped_adapters: list[int] = []
         self.tables = BatchTables(1, ListTableStore(1))
         # Penalty counts kept as the real runner keeps them, so that tests can hold them
         # against the engine's sequences (and a row that leans on missing ones fails).
@@ -67,6 +77,19 @@ class FakeModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return block_size * self.kv_bytes_per_token
+
+    def _pages(self, rank: int, targets: int, block_size: int) -> int:
+        return -(-rank * targets * self.lora_rank_bytes // self.kv_bytes_per_block(block_size))
+
+    def adapter_pages(self, lora_path: str, block_size: int) -> int:
+        config, _ = read_peft_config(lora_path, self.spec.num_layers, self.max_lora_rank)
+        return self._pages(config.r, len(config.targets), block_size)
+
+    def max_adapter_pages(self, block_size: int) -> int:
+        return self._pages(self.max_lora_rank, len(TARGETS), block_size)
+
+    def drop_adapter(self, lora_id: int) -> None:
+        self.dropped_adapters.append(lora_id)
 
     def init_kv_cache(
         self,

@@ -36,11 +36,13 @@ from pagedllm.kernels.int8_choice import isa_name
 from pagedllm.loader import LoadedModel
 from pagedllm.model.layer_ops import CompiledLayerOps, TorchLayerOps
 from pagedllm.model.linear import Int8Linear, choose_int8_gemm, observe_inputs
+from pagedllm.model.linear_deltas import LinearDeltas
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.parallel import ParallelContext
 from pagedllm.worker.draft_model import DraftProposer
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import PagedKVCache
+from pagedllm.worker.lora_step import RunnerLoRA
 from pagedllm.worker.options import RunnerOptions
 from pagedllm.worker.penalty_rows import PenaltyRows
 from pagedllm.worker.prompt_scoring import score_prompts
@@ -135,6 +137,18 @@ class TorchModelRunner:
         vocab = parallel.vocab_size if parallel is not None else cfg.vocab_size
         self.count_store = TensorCountStore(vocab, self.device)
         self.penalties = PenaltyRows(self.count_store)
+        # LoRA adapters: rows run under their adapter, whose weights sit in pool pages. A
+        # draft model proposes from its base weights (its proposals are checked under the
+        # adapter, so the output is the adapter's; only the acceptance rate may drop).
+        self.lora: RunnerLoRA | None = None
+        if options.enable_lora:
+            self.lora = RunnerLoRA(
+                cfg,
+                options.max_lora_rank,
+                options.max_cpu_loras,
+                self.kv_dtype.itemsize,
+                self.device,
+            )
         self.draft: DraftProposer | None = None
         if draft is not None:
             self._attach_draft(draft)
@@ -189,6 +203,13 @@ class TorchModelRunner:
         layer_groups: tuple[tuple[int, ...], ...] | None = None,
         null_block: bool = False,
     ) -> None:
+        if self.lora is not None and layer_groups is not None and len(layer_groups) > 1:
+            raise InvalidParameterError(
+                "enable_lora",
+                "LoRA adapters take pages of a pool of one layer group: add "
+                "disable_hybrid_kv_cache_manager (--disable-hybrid-kv-cache-manager) for this "
+                f"model's {len(layer_groups)} layer groups",
+            )
         if self.draft is not None:
             if layer_groups is not None and len(layer_groups) > 1:
                 raise InvalidParameterError(
@@ -280,6 +301,7 @@ class TorchModelRunner:
         cache.copy_blocks(step.blocks_to_copy)
         seqs = step.seqs
         query_lens = [len(s.token_ids) for s in seqs]
+        deltas = self.lora.step_deltas(step, cache, query_lens) if self.lora is not None else None
         hidden, rows = self.run_tokens(
             cache,
             list(itertools.chain.from_iterable(s.token_ids for s in seqs)),
@@ -287,6 +309,7 @@ class TorchModelRunner:
             query_lens=query_lens,
             block_tables=tables,
             logits_seq_indices=[i for i, s in enumerate(seqs) if s.needs_logits],
+            deltas=deltas,
         )
         scored = score_prompts(self.model, hidden, query_lens, prompt_rows) if prompt_rows else []
         counts = [s.num_logits_rows for s in seqs if s.needs_logits]
@@ -323,10 +346,12 @@ class TorchModelRunner:
         query_lens: Sequence[int],
         block_tables: Sequence[torch.Tensor],
         logits_seq_indices: Sequence[int],
+        deltas: LinearDeltas | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of a flat batch through `cache`: the final hidden states, and the
         rows of the sequences whose logits are asked for. `block_tables[g]`: the host
-        tensor [sequences, entries] of the sequences' tables of the cache's layer group g."""
+        tensor [sequences, entries] of the sequences' tables of the cache's layer group g;
+        `deltas`: the rows' LoRA adapters (None: the base for every row)."""
         meta = build_grouped_metadata(
             start_positions,
             query_lens,
@@ -338,7 +363,7 @@ class TorchModelRunner:
             dtype=self.dtype,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device)
-        hidden = self.model(input_ids, meta.positions, cache.layers, meta)
+        hidden = self.model(input_ids, meta.positions, cache.layers, meta, deltas)
         return hidden, meta.logits_indices
 
     def _layer_ops(self, attention_backend: str) -> TorchLayerOps:
@@ -376,6 +401,27 @@ class TorchModelRunner:
         self.model.quantize_int8(amax, ops)
         if ops is not None:
             choose_int8_gemm(self.model, ops)
+
+    def _lora(self) -> RunnerLoRA:
+        if self.lora is None:
+            raise InvalidParameterError(
+                "enable_lora", "LoRA adapters need enable_lora (--enable-lora)"
+            )
+        return self.lora
+
+    def adapter_pages(self, lora_path: str, block_size: int) -> int:
+        """Pool pages of `block_size` tokens the adapter at `lora_path` takes; it is read
+        and checked against the base (InvalidParameterError naming the field or tensor)."""
+        return self._lora().adapter_pages(lora_path, block_size)
+
+    def max_adapter_pages(self, block_size: int) -> int:
+        """Pages of an adapter of max_lora_rank on every target (a static slot)."""
+        return self._lora().max_adapter_pages(block_size)
+
+    def drop_adapter(self, lora_id: int) -> None:
+        """Forget the adapter's host copy."""
+        if self.lora is not None:
+            self.lora.drop_adapter(lora_id)
 
     def shutdown(self) -> None:
         self._generators.clear()

@@ -39,6 +39,11 @@ class RunnerOptions:
     # (or packaged name), None: no draft; and how its linear layers compute.
     speculative_model: str | None = None
     speculative_quantization: str = "auto"
+    # LoRA adapters (worker/lora_step.py): requests may run under PEFT adapters of at most
+    # max_lora_rank, kept in pool pages; max_cpu_loras loaded adapters stay in host memory.
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 8
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -68,6 +73,7 @@ class RunnerOptions:
                 f"(got {size}), or quantization none or auto",
             )
         self._check_draft()
+        self._check_lora()
         if size > 1 and self.device not in ("cpu", "cuda"):
             raise InvalidParameterError(
                 "device",
@@ -97,6 +103,16 @@ class RunnerOptions:
                 f"speculative_method 'draft' (got {self.tensor_parallel_size}), or 'ngram'",
             )
 
+    def _check_lora(self) -> None:
+        check_int(self.max_lora_rank, "max_lora_rank", min=1, max=512)
+        check_int(self.max_cpu_loras, "max_cpu_loras", min=1)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise InvalidParameterError(
+                "enable_lora",
+                "LoRA adapters run on one device: use tensor_parallel_size 1 "
+                f"(got {self.tensor_parallel_size})",
+            )
+
     def draft_options(self) -> RunnerOptions:
         """The options of the draft model's own runner: the target's numerics, the
         draft's quantization, no draft of its own."""
@@ -105,6 +121,7 @@ class RunnerOptions:
             quantization=self.speculative_quantization,
             speculative_model=None,
             speculative_quantization="auto",
+            enable_lora=False,  # the draft proposes from the base model
         )
 
     @classmethod

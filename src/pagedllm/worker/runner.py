@@ -146,6 +146,20 @@ class ModelRunner(Protocol):
         tokens to score (SampledTokens.prompt_logprobs)."""
         ...
 
+    def adapter_pages(self, lora_path: str, block_size: int) -> int:
+        """Pool pages (blocks of `block_size` tokens) the LoRA adapter at `lora_path`
+        takes; the adapter is read and checked against the base model (a bad one raises
+        InvalidParameterError naming the field or tensor)."""
+        ...
+
+    def max_adapter_pages(self, block_size: int) -> int:
+        """Pages of an adapter of max_lora_rank on every target: a static slot's size."""
+        ...
+
+    def drop_adapter(self, lora_id: int) -> None:
+        """Forget the adapter's host copy (the engine removed it)."""
+        ...
+
     def shutdown(self) -> None:
         """Release what the runner holds (processes, devices)."""
         ...

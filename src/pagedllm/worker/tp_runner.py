@@ -203,6 +203,22 @@ class TensorParallelRunner:
         runs the same chunks: their collectives must pair up)."""
         return self._call("logits_of", list(token_ids), chunk)
 
+    def _no_lora(self) -> InvalidParameterError:
+        return InvalidParameterError(
+            "enable_lora",
+            "LoRA adapters run on one device, not with tensor_parallel_size "
+            f"{self.group.world_size}",
+        )
+
+    def adapter_pages(self, lora_path: str, block_size: int) -> int:
+        raise self._no_lora()
+
+    def max_adapter_pages(self, block_size: int) -> int:
+        raise self._no_lora()
+
+    def drop_adapter(self, lora_id: int) -> None:
+        pass  # no adapter was ever loaded
+
     def shutdown(self) -> None:
         if self.group.closed:
             return

@@ -19,6 +19,7 @@ from pagedllm.kv.events import EVENT_FIELDS
 from pagedllm.validation import is_int, shown
 
 _POOL_LISTS = ("ref", "cached", "fill")
+_ADAPTER_LISTS = ("lora", "slot")  # a pool with LoRA adapters' pages only
 
 
 class _Checker:
@@ -89,7 +90,7 @@ def check_trace(trace: Mapping[str, Any]) -> None:
     c.id(num_blocks, "start.pool.num_blocks")
     c.num_blocks = num_blocks
     c.id(pool.get("block_size"), "start.pool.block_size")
-    for name in _POOL_LISTS:
+    for name in _POOL_LISTS + tuple(n for n in _ADAPTER_LISTS if n in pool):
         values = _list(pool.get(name), f"start.pool.{name}")
         if len(values) != num_blocks:
             raise ValueError(f"start.pool.{name} must hold {num_blocks} values, got {len(values)}")

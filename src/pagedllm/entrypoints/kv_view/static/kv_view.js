@@ -48,6 +48,10 @@
       this.ref = new Int32Array(numBlocks);
       this.cached = new Uint8Array(numBlocks);
       this.fill = new Uint16Array(numBlocks);
+      // LoRA adapters' pages: the adapter each block holds (0: none), and the pages of
+      // static adapter slots (reserved for adapters from the start, reference count 1).
+      this.lora = new Int32Array(numBlocks);
+      this.slot = new Uint8Array(numBlocks);
       this.holders = Array.from({ length: numBlocks }, () => []); // [seq, logical index]
       this.seqs = new Map(); // seq id -> {req, blocks, tokens}
       this.text = new Map(); // block -> its tokens' text (text mode only)
@@ -68,6 +72,8 @@
       const p = new Pool(pool.num_blocks, pool.block_size);
       p.ref.set(pool.ref);
       p.cached.set(pool.cached);
+      if (pool.lora) p.lora.set(pool.lora);
+      if (pool.slot) p.slot.set(pool.slot);
       for (const s of pool.seqs) {
         const key = tableKey(s.seq, s.g);
         p.seqs.set(key, { req: s.req, blocks: s.blocks.slice(), tokens: s.tokens });
@@ -84,6 +90,8 @@
       p.ref.set(this.ref);
       p.cached.set(this.cached);
       p.fill.set(this.fill);
+      p.lora.set(this.lora);
+      p.slot.set(this.slot);
       p.holders = this.holders.map((h) => h.map((x) => x.slice()));
       for (const [k, s] of this.seqs) p.seqs.set(k, { req: s.req, blocks: s.blocks.slice(), tokens: s.tokens });
       p.text = new Map(this.text);
@@ -213,6 +221,21 @@
         case "evict": this.cached[e.block] = 0; this.text.delete(e.block); break;
         case "reset": this.cached.fill(0); break;
         case "text": this.text.set(e.block, e.text); break;
+        case "lora_load": {
+          for (const b of e.blocks) {
+            this.ref[b] = 1;
+            this.lora[b] = e.lora;
+            this.flash.set(b, "lora");
+          }
+          break;
+        }
+        case "lora_evict": {
+          for (const b of e.blocks) {
+            this.ref[b] = this.slot[b];
+            this.lora[b] = 0;
+          }
+          break;
+        }
         default: break; // notes: preempt, finish, abort
       }
     }
@@ -271,7 +294,9 @@
   }
   const col = (req, light, alpha) =>
     `hsla(${hue(req).toFixed(0)}, 70%, ${light}%, ${alpha === undefined ? 1 : alpha})`;
-  const FLASH = { cow: "#f5c451", fork: "#d2a8ff", hit: "#3fd0c0" };
+  const FLASH = { cow: "#f5c451", fork: "#d2a8ff", hit: "#3fd0c0", lora: "#ff9e3d" };
+  // LoRA adapters' pages: dark amber under an amber band, whatever the requests' hues.
+  const LORA = { page: "#7a4a12", band: "#ff9e3d", slot: "#3a2c12" };
   const short = (id) => (id.length > 14 ? "…" + id.slice(-10) : id);
 
   // Diagonal lines over a rectangle: the mark of lookahead slots.
@@ -357,6 +382,7 @@
     const sz = cell - gap;
     const sel = view.selected;
     let used = 0;
+    let adapterPages = 0;
     ctx.font = `600 ${Math.max(8, Math.floor(sz * 0.55))}px ui-monospace, monospace`;
     ctx.textAlign = "center";
     ctx.textBaseline = "middle";
@@ -367,7 +393,18 @@
       const owners = ref > 0 ? pool.ownerOf(b) : [];
       const mine = sel !== null && owners.includes(sel);
       ctx.globalAlpha = sel !== null && !mine ? 0.5 : 1;
-      if (ref === 0) {
+      if (pool.lora[b] || pool.slot[b]) {
+        // An adapter's page (an amber band on top, its id when there is room), or an
+        // empty page of a static adapter slot.
+        adapterPages++;
+        ctx.fillStyle = pool.lora[b] ? LORA.page : LORA.slot;
+        ctx.fillRect(x, y, sz, sz);
+        if (pool.lora[b]) {
+          ctx.fillStyle = LORA.band;
+          ctx.fillRect(x, y, sz, Math.max(2, Math.round(sz * 0.25)));
+          if (sz >= 13) ctx.fillText(String(pool.lora[b]), x + sz / 2, y + sz * 0.62);
+        }
+      } else if (ref === 0) {
         ctx.fillStyle = pool.cached[b] ? "#1f5a5a" : "#1d232d";
         ctx.fillRect(x, y, sz, sz);
         if (pool.cached[b] && sz >= 8) {
@@ -426,6 +463,7 @@
     ctx.globalAlpha = 1;
     document.body.dataset.drawnBlocks = String(pool.n);
     document.body.dataset.usedBlocks = String(used);
+    document.body.dataset.adapterBlocks = String(adapterPages); // adapters' pages and slots
     // Blocks drawn with lookahead slots, and those of them given back (for tests).
     document.body.dataset.lookaheadBlocks = String(pool.lookahead.size);
     document.body.dataset.givenBlocks = String([...pool.lookahead.values()].filter((l) => l.given).length);
@@ -677,6 +715,8 @@
       case "evict": return `block ${e.block} evicted from the prefix cache`;
       case "reset": return "prefix cache reset";
       case "text": return `block ${e.block}: ${JSON.stringify(e.text)}`;
+      case "lora_load": return `adapter ${e.lora} loaded into [${e.blocks.slice(0, 8).join(",")}${e.blocks.length > 8 ? ",…" : ""}]`;
+      case "lora_evict": return `adapter ${e.lora} leaves ${e.blocks.length} page${e.blocks.length === 1 ? "" : "s"}`;
       default: return String(e.req);
     }
   }
@@ -727,10 +767,14 @@
     const st = view.st;
     const pool = view.pool;
     if (!st) return;
+    // LoRA adapters' pages (static slots' included): in use, but not KV blocks (`used`).
+    let adapterPages = 0;
+    for (let b = 0; b < pool.n; b++) if (pool.lora[b] || pool.slot[b]) adapterPages++;
     const items = [
       [view.step, "step"],
       [`${st.used}/${pool.n}`, "blocks used"],
-      [pool.n - st.used, "free"],
+      ...(adapterPages ? [[adapterPages, "adapter pages"]] : []),
+      [pool.n - st.used - adapterPages, "free"],
       [st.cached, "cached"],
       [st.shared, "shared"],
       [st.tokens, "tokens stored"],
@@ -1030,7 +1074,9 @@
     const p = view.pool;
     const owners = p.ownerOf(b);
     let text = `block ${b}\nreference count ${p.ref[b]}\n`;
-    text += p.ref[b] ? `${p.fill[b]}/${p.bs} tokens\n` : p.cached[b] ? "free, cached\n" : "free\n";
+    if (p.lora[b]) text += `a page of LoRA adapter ${p.lora[b]}${p.slot[b] ? " (static slot)" : ""}\n`;
+    else if (p.slot[b]) text += "an empty page of a static adapter slot\n";
+    else text += p.ref[b] ? `${p.fill[b]}/${p.bs} tokens\n` : p.cached[b] ? "free, cached\n" : "free\n";
     if (p.cached[b] && p.ref[b]) text += "prefix-cached\n";
     if (owners.length) text += "requests: " + owners.map(short).join(", ") + "\n";
     if (p.text.has(b)) text += JSON.stringify(p.text.get(b));
