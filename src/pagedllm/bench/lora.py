@@ -164,8 +164,12 @@ def run_peft(
     return row
 
 
-def with_ratio(row: dict[str, Any], base: dict[str, Any], key: str, name: str) -> None:
+def with_ratio(
+    result: dict[str, Any], row: dict[str, Any], base: dict[str, Any], key: str, name: str
+) -> None:
+    """`row`'s `<key>_vs_<name>` against the row `base`, also in the result's ratios."""
     row[f"{key}_vs_{name}"] = ratio(row.get(key), base.get(key))
+    result["ratios"].setdefault(row["system"], {})[f"{key}_vs_{name}"] = row[f"{key}_vs_{name}"]
 
 
 def merged_row(
@@ -212,7 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if paging:
             static, unified = runs[paging, "uniform", "static"], runs[paging, "uniform", "unified"]
             for key in ("requests_per_s", "mean_running_seqs", "lora_loads_per_s"):
-                with_ratio(static, unified, key, "unified")
+                with_ratio(result, static, unified, key, "unified")
         if peft_n:
             assignment = assign_adapters(len(requests), peft_n, "uniform", args.seed)
             peft = run_peft(loaded, requests, assignment, paths, opts)
@@ -220,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if "generated_tokens" in peft:
                 rows.append(peft | {"adapters": peft_n, "distribution": "uniform"})
                 ours = runs[peft_n, "uniform", "unified"]
-                with_ratio(ours, peft, "generated_tokens_per_s", "peft")
+                with_ratio(result, ours, peft, "generated_tokens_per_s", "peft")
     add_ratios(result, "generated_tokens_per_s", ["base", "merged"])
     notes += [
         SAME_TOKENS,
