@@ -25,7 +25,15 @@ from pagedllm.kernels.gguf_blocks import block_geometry, gguf_linear
 # [out, in]: the attention output projection, gate or up, and down.
 SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))
 # Byte offsets of each type's fp16 scales in a block.
-F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_1": (0, 2)}
+F16_FIELDS = {
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q5_0": (0,),
+    "Q4_1": (0, 2),
+}
 
 
 def random_blocks(ggml_type: GGMLQuantizationType, out: int, k: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.engine_client import EngineClient, OutputStream, PromptRequest
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.entrypoints.server.app import create_app
+from pagedllm.lora import LoRARequest
 
 PROTOCOLS = (EngineClient, OutputStream)
 
@@ -128,8 +129,15 @@ class StandInClient:
         requests: Sequence[PromptRequest],
         arrival_time: float | None = None,
         grammar_param: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> OutputStream:
         raise AssertionError("not sent by these routes")
+
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        raise AssertionError("no adapters here")
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        raise AssertionError("no adapters here")
 
 
 def test_the_server_runs_over_any_engine_client() -> None:

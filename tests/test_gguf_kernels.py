@@ -315,11 +315,15 @@ def test_gemm_equals_gemv_bit_for_bit(ggml_type: T, kernel: str) -> None:
 @pytest.mark.parametrize("method", ("gemv", "gemm"))
 def test_parts_of_mixed_types(method: str) -> None:
     """A fused layer whose parts mix types with and without a gemm method (Q4_K, Q5_K,
-    Q6_K): each part's columns equal that part alone, on either method."""
+    F16, Q6_K): each part's columns equal that part alone, on either method."""
     k, rows = 512, 11
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
-    parts = [(T.Q4_K, 5), (T.Q5_K, 3), (T.Q6_K, 7)]
-    raws = [torch.from_numpy(weight_blocks(t, out, k, seed=out)) for t, out in parts]
+    parts = [(T.Q4_K, 5), (T.Q5_K, 3), (T.F16, 4), (T.Q6_K, 7)]
+    f16 = torch.randn(4, k, generator=torch.Generator().manual_seed(5)).half()
+    raws = [
+        f16.view(torch.uint8) if t == T.F16 else torch.from_numpy(weight_blocks(t, out, k, out))
+        for t, out in parts
+    ]
     got = load_cpu_ops().gguf_linear_parts(x, raws, [int(t) for t, _ in parts], "auto", method)
     alone = [gguf_linear(x, raws[i], t, out, "auto", "gemv") for i, (t, out) in enumerate(parts)]
     assert torch.equal(got, torch.cat(alone, dim=1))

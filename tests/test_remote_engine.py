@@ -57,7 +57,11 @@ class StandInHandle:
         return self
 
     def remote(
-        self, requests: list, arrival_time: float | None, grammar_param: str | None
+        self,
+        requests: list,
+        arrival_time: float | None,
+        grammar_param: str | None,
+        lora_request: Any = None,
     ) -> StandInCall:
         self.sent += 1
         return self.calls[self.sent - 1]

@@ -45,6 +45,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_stream import RequestStream, deliver
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
+from pagedllm.lora import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.validation import check_int
 
@@ -190,18 +191,23 @@ class AsyncLLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream; see `add_requests`."""
-        return await self.add_requests([(request_id, prompt, params)], arrival_time)
+        return await self.add_requests(
+            [(request_id, prompt, params)], arrival_time, lora_request=lora_request
+        )
 
     async def add_requests(
         self,
         requests: Sequence[PromptRequest],
         arrival_time: float | None = None,
         grammar_param: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queue (request id, prompt, params) requests together, all or none, and return
-        one stream of their outputs. Raises InvalidParameterError (a bad or oversized
+        """Queue (request id, prompt, params) requests together, all or none, under the
+        adapter `lora_request` (None: the base model), and return one stream of their
+        outputs. Raises InvalidParameterError (a bad or oversized
         request; a grammar that cannot be compiled names `grammar_param`, default
         `structured_outputs.<kind>`), EngineOverloadedError (the backlog is at
         `max_waiting`, or these requests would take it past; or the grammar compiler has
@@ -228,7 +234,9 @@ class AsyncLLMEngine:
             added: list[str] = []
             try:
                 for (request_id, prompt, params), grammar in zip(requests, grammars, strict=True):
-                    self.engine.add_request(request_id, prompt, params, arrival_time, grammar)
+                    self.engine.add_request(
+                        request_id, prompt, params, arrival_time, grammar, lora_request
+                    )
                     added.append(request_id)
                 # Every request of a group counts: queued, they must leave the backlog
                 # within the limit, or none of them stays.
@@ -251,6 +259,15 @@ class AsyncLLMEngine:
             stream.abort()  # they may have been added after all
             raise
         return stream
+
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        """LLMEngine.check_lora on the engine thread (it reads the adapter's files)."""
+        await self.call(lambda: self.engine.check_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """LLMEngine.remove_lora on the engine thread: requests running under the
+        adapter finish under it; the id is never served again."""
+        return await self.call(lambda: self.engine.remove_lora(lora_int_id))
 
     def _check_room(self, backlog: int) -> None:
         """EngineStoppedError while draining; EngineOverloadedError if `backlog` requests

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
+from pagedllm.lora import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 # (request id, prompt as text or token ids, its sampling parameters)
@@ -59,7 +60,17 @@ class EngineClient(Protocol):
         requests: Sequence[PromptRequest],
         arrival_time: float | None = None,
         grammar_param: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> OutputStream:
-        """Queue the requests together, all or none, and return one stream of their
-        outputs. Raises InvalidParameterError (a bad request; a grammar that cannot be
-        compiled names `grammar_param`), EngineOverloadedError or EngineStoppedError."""
+        """Queue the requests together, all or none, under the adapter `lora_request`
+        (None: the base model), and return one stream of their outputs. Raises
+        InvalidParameterError (a bad request; a grammar that cannot be compiled names
+        `grammar_param`), EngineOverloadedError or EngineStoppedError."""
+
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        """InvalidParameterError (naming the field or tensor) if requests could not run
+        under this adapter: LLMEngine.check_lora."""
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget the adapter: requests running under it finish, its id is never served
+        again (LLMEngine.remove_lora). False if the engine did not know it."""

@@ -26,11 +26,15 @@ KERNEL_TYPES: tuple[GGMLQuantizationType, ...] = (
     GGMLQuantizationType.Q6_K,
 )
 
-# The types with a "gemm" method (a multi-row kernel) in `gguf_linear`.
+# The types with a "gemm" method (a multi-row kernel) in `gguf_linear`: every block type
+# (F16 and BF16 have none).
 GEMM_TYPES: tuple[GGMLQuantizationType, ...] = (
+    GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
 )
 

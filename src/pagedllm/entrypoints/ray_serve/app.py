@@ -98,7 +98,13 @@ def build_app(
 ) -> serve.Application:
     """The application; `server`: create_app's options (api_key, served_model_name,
     max_waiting, max_request_bytes, body_timeout, max_prompts_per_request, allowed_origins,
-    enable_docs, reasoning_parser)."""
+    enable_docs, reasoning_parser, lora_modules). Loading adapters at run time is refused:
+    a load must reach every replica."""
+    if server.get("enable_lora_loading"):
+        raise ValueError(
+            "enable_lora_loading is not available over Ray Serve: a load must reach every "
+            "engine replica; serve the adapters with lora_modules instead"
+        )
     options = options or RayServeOptions()
     deployment_options: dict[str, Any] = dict(
         name="EngineReplica",

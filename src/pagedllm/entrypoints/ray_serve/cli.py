@@ -6,15 +6,19 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Sequence
 
 import ray
 from ray import serve
 
 from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.ray_serve.app import RayServeOptions, RouterOptions, build_app
+from pagedllm.entrypoints.server.lora_modules import LoRAModule
 
 
-def run_ray_serve(args: argparse.Namespace, config: EngineConfig) -> int:
+def run_ray_serve(
+    args: argparse.Namespace, config: EngineConfig, lora_modules: Sequence[LoRAModule] = ()
+) -> int:
     log = logging.getLogger("pagedllm")
     resources = {"num_cpus": args.replica_cpus}
     if args.replica_gpus:
@@ -37,6 +41,7 @@ def run_ray_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         enable_docs=args.enable_docs,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=tuple(lora_modules),  # each replica runs them; the ingress names them
     )
     ray.init()  # $RAY_ADDRESS's cluster, else a local one
     serve.start(http_options={"host": args.host, "port": args.port})

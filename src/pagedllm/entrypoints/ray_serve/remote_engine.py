@@ -33,6 +33,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.errors import EngineOverloadedError, RequestFailedError
 from pagedllm.kv.manager import KVUsage
+from pagedllm.lora import LoRARequest
 
 SEND_ATTEMPTS = 3  # replicas a request may find dead before it is refused
 RESEND_DELAY_S = 0.2  # for Ray Serve to learn of the dead replica
@@ -75,14 +76,16 @@ class RemoteEngine:
         requests: Sequence[PromptRequest],
         arrival_time: float | None = None,
         grammar_param: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RemoteStream:
-        """Queue the requests together on one replica, all or none; raises what the
-        replica's add_requests raised (InvalidParameterError, EngineOverloadedError)."""
+        """Queue the requests together on one replica, all or none, under the adapter
+        `lora_request` (each replica serves every --lora-modules adapter); raises what
+        the replica's add_requests raised (InvalidParameterError, EngineOverloadedError)."""
         if not requests:
             raise ValueError("add_requests needs at least one request")
         for attempt in range(SEND_ATTEMPTS):
             calls = self.handle.options(stream=True).generate.remote(
-                list(requests), arrival_time, grammar_param
+                list(requests), arrival_time, grammar_param, lora_request
             )
             try:
                 await calls.__anext__()  # queued on the replica
@@ -101,6 +104,18 @@ class RemoteEngine:
             f"no engine replica could take the request ({SEND_ATTEMPTS} were unreachable); "
             "retry later"
         )
+
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        """One replica's LLMEngine.check_lora (they share the base and the limits)."""
+        try:
+            await self.handle.check_lora.remote(lora_request)
+        except Exception as exc:
+            raise _cause(exc) from None
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Not served over replicas: a removal must reach every one of them, which a
+        handle's call does not (`pagedllm serve --ray` refuses --enable-lora-loading)."""
+        raise NotImplementedError("removing a LoRA adapter is not available over Ray Serve")
 
     def _note(self, replica_key: str, snapshot: EngineSnapshot) -> None:
         self._snapshots[replica_key] = snapshot

@@ -20,6 +20,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
+from pagedllm.lora import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 Requests = Sequence[tuple[str, Sequence[int], SamplingParams]]
@@ -41,12 +42,20 @@ class EngineReplica:
         requests: Requests,
         arrival_time: float | None = None,
         grammar_param: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[RequestOutput, str, EngineSnapshot | None] | None]:
-        stream = await self.engine.add_requests(list(requests), arrival_time, grammar_param)
+        stream = await self.engine.add_requests(
+            list(requests), arrival_time, grammar_param, lora_request
+        )
         async with stream:  # leaving early (cancelled by the ingress) aborts them all
             yield None
             async for out in stream:
                 yield out, self.key, (self.engine.snapshot if out.finished else None)
+
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        """LLMEngine.check_lora (the ingress checks the --lora-modules adapters as it
+        starts: the replicas share the base and the limits, so one replica's word holds)."""
+        await self.engine.check_lora(lora_request)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The prefix cache's block hashes and the load, for the router."""

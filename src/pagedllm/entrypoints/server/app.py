@@ -20,13 +20,12 @@ response carries in request_id.py.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-import pagedllm.entrypoints.server.responses as r
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.engine_client import EngineClient
 from pagedllm.engine.llm_engine import LLMEngine
@@ -41,6 +40,8 @@ from pagedllm.entrypoints.server.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     check_limits,
 )
+from pagedllm.entrypoints.server.lora_modules import LoRAModule, ServedModels
+from pagedllm.entrypoints.server.lora_routes import lora_router
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.reasoning import reasoning_parser as find_reasoning_parser
 from pagedllm.entrypoints.server.request_id import RequestIdMiddleware
@@ -49,6 +50,7 @@ from pagedllm.entrypoints.server.serving import Serving
 from pagedllm.entrypoints.server.tokenization import tokenizer_router
 from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, parser_factory
 from pagedllm.loader.hf_cache import is_repo_id
+from pagedllm.lora import LoRARequest
 from pagedllm.validation import check_int
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -91,6 +93,9 @@ def create_app(
     kv_view_interval: float = 0.25,
     tool_call_parser: str = DEFAULT_PARSER,
     reasoning_parser: str | None = None,
+    lora_modules: Sequence[LoRAModule] = (),
+    enable_lora_loading: bool = False,
+    lora_dir: str | None = None,
 ) -> FastAPI:
     """The app over `engine` (an LLMEngine is run on an AsyncLLMEngine); the engine loop
     starts with the app (or at the first request) and stops with it. `served_model_name`:
@@ -106,7 +111,11 @@ def create_app(
     `tool_call_parser`: how the model writes a tool call, read back under tool_choice
     "auto" (tool_parsers.py; ValueError if unknown). `reasoning_parser` ("deepseek_r1" or
     "qwen3"; None: off): splits a chat answer's `<think>` reasoning into
-    `reasoning_content` (reasoning.py; ValueError if unknown)."""
+    `reasoning_content` (reasoning.py; ValueError if unknown). `lora_modules`: adapters
+    served from the start under their names (lora_int_id 1, 2, ... in order; each checked
+    by the engine as the app starts, which fails on a bad one); `enable_lora_loading`:
+    serve /v1/load_lora_adapter and /v1/unload_lora_adapter, loading only from under
+    `lora_dir`. Both need an engine with `enable_lora` (ValueError otherwise)."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
     in_process = engine if isinstance(engine, AsyncLLMEngine) else None
@@ -121,6 +130,10 @@ def create_app(
     key = ApiKey(api_key)
     names = served_names(served_model_name, engine.config.model)
     name = names[0]
+    lora_dir = check_lora_options(
+        engine.config.enable_lora, lora_modules, enable_lora_loading, lora_dir
+    )
+    models = ServedModels(names, engine.config.model, lora_modules)
     metrics = ServerMetrics(engine)
     serving = Serving(
         engine,
@@ -129,12 +142,13 @@ def create_app(
         parser_factory(tool_call_parser),
         max_prompts_per_request,
         find_reasoning_parser(reasoning_parser),
+        models,
     )
 
     # FastAPI's own docs routes cannot take the key: docs_router's can.
     app = FastAPI(
         title="pagedllm",
-        lifespan=_lifespan(engine, serving),
+        lifespan=_lifespan(engine, serving, list(models.adapters())),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
@@ -154,9 +168,12 @@ def create_app(
         )
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so on every response
 
-    reader = RequestReader(BodyReader(max_request_bytes, body_timeout), names)
-    cards = [r.ModelCard(id=n, max_model_len=engine.max_model_len) for n in names]
-    app.include_router(api_router(serving, reader, cards, key))
+    reader = RequestReader(BodyReader(max_request_bytes, body_timeout), models)
+    max_len = engine.max_model_len
+    app.include_router(api_router(serving, reader, lambda: models.cards(max_len), key))
+    if enable_lora_loading:
+        assert lora_dir is not None  # check_lora_options
+        app.include_router(lora_router(engine, models, reader, lora_dir, key))
     app.include_router(tokenizer_router(engine, serving.encoder, reader, key))
     if in_process is not None and kv_view:
         feed = KVFeed(in_process, text=kv_view_text, interval=kv_view_interval)
@@ -168,15 +185,42 @@ def create_app(
     return app
 
 
+def check_lora_options(
+    enable_lora: bool,
+    lora_modules: Sequence[LoRAModule],
+    enable_lora_loading: bool,
+    lora_dir: str | None,
+) -> str | None:
+    """The LoRA directory (resolved) if loading is on; ValueError for options that do not
+    go together (adapters without an engine that runs them, loading without a directory
+    to load from)."""
+    if (lora_modules or enable_lora_loading) and not enable_lora:
+        raise ValueError("--lora-modules and --enable-lora-loading need --enable-lora")
+    if not enable_lora_loading:
+        if lora_dir is not None:
+            raise ValueError("--lora-dir is read only with --enable-lora-loading")
+        return None
+    if not lora_dir:
+        raise ValueError(
+            "--enable-lora-loading needs --lora-dir: the folder whose adapters clients may load"
+        )
+    if not os.path.isdir(lora_dir):
+        raise ValueError(f"--lora-dir {lora_dir!r} is not a folder")
+    return os.path.realpath(lora_dir)
+
+
 def _lifespan(
-    engine: EngineClient, serving: Serving
+    engine: EngineClient, serving: Serving, loras: Iterable[LoRARequest] = ()
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """Start the engine loop with the app; stop it, and the tokenizer thread, after."""
+    """Start the engine loop with the app, and check the adapters served from the start
+    (a bad one stops the app before it serves); stop it, and the tokenizer thread, after."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         try:
+            for lora in loras:
+                await engine.check_lora(lora)
             yield
         finally:
             engine.shutdown()

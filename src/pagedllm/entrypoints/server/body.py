@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -74,11 +74,12 @@ def parse_json(body: bytes) -> dict[str, Any]:
 
 class RequestReader:
     """A request body as a validated request model, for a server of the models `names`
-    (one model served under each of them)."""
+    (the base model under each of its names, and its LoRA adapters: a live collection,
+    as adapters are loaded and unloaded)."""
 
-    def __init__(self, body: BodyReader, names: Sequence[str]) -> None:
+    def __init__(self, body: BodyReader, names: Collection[str]) -> None:
         self.body = body
-        self.names = tuple(names)
+        self.names = names
 
     async def read(self, request: Request, model: type[M]) -> M:
         data = parse_json(await self.body.read(request))
@@ -88,7 +89,7 @@ class RequestReader:
             raise from_validation_error(exc) from None
         requested = getattr(parsed, "model", None)
         if requested is not None and requested not in self.names:
-            raise model_not_found(requested, self.names)
+            raise model_not_found(requested, list(self.names))
         return parsed
 
 

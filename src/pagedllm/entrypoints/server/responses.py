@@ -34,6 +34,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
+    # vLLM's: the model's path (an adapter's folder) and, for an adapter, its base's id
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

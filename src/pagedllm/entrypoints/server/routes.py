@@ -5,6 +5,8 @@ Each takes what it serves and the API key dependency; create_app (app.py) joins 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -29,10 +31,13 @@ DOCS_FONTS = ("https://fonts.googleapis.com", "https://fonts.gstatic.com")
 
 
 def api_router(
-    serving: Serving, reader: RequestReader, cards: list[r.ModelCard], api_key: ApiKey
+    serving: Serving,
+    reader: RequestReader,
+    cards: Callable[[], list[r.ModelCard]],
+    api_key: ApiKey,
 ) -> APIRouter:
     """POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
-    GET|HEAD /v1/models[/{id}] (one card per served name)."""
+    GET|HEAD /v1/models[/{id}] (`cards()`: one card per served name and LoRA adapter)."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key)])
 
     @v1.post("/completions")
@@ -51,14 +56,15 @@ def api_router(
     @v1.head("/models", include_in_schema=False)
     @v1.get("/models")
     async def models() -> JSONResponse:
-        return JSONResponse(r.dump(r.ModelList(data=cards)))
+        return JSONResponse(r.dump(r.ModelList(data=cards())))
 
     @v1.head("/models/{model_id:path}", include_in_schema=False)
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
-        card = next((c for c in cards if c.id == model_id), None)
+        served = cards()
+        card = next((c for c in served if c.id == model_id), None)
         if card is None:
-            raise model_not_found(model_id, [c.id for c in cards])
+            raise model_not_found(model_id, [c.id for c in served])
         return JSONResponse(r.dump(card))
 
     return v1

@@ -119,6 +119,27 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         "reasoning_content; deepseek_r1: the output starts in reasoning (R1 distills, whose "
         "template opens the block); qwen3: only a <think> opens it (default: no split)",
     )
+    lora = p.add_argument_group("LoRA adapters (with --enable-lora)")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters served from the start, each as name=path or JSON "
+        '{"name": ..., "path": ...}; a request picks one by its model field',
+    )
+    lora.add_argument(
+        "--enable-lora-loading",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API "
+        "key), loading only from under --lora-dir; not with --ray",
+    )
+    lora.add_argument(
+        "--lora-dir",
+        default=None,
+        help="with --enable-lora-loading: the folder clients may load adapters from (a "
+        "lora_path outside it, after resolving symlinks and '..', is refused)",
+    )
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -173,7 +194,8 @@ def take_model_tag(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.entrypoints.server.app import create_app
+    from pagedllm.entrypoints.server.app import check_lora_options, create_app
+    from pagedllm.entrypoints.server.lora_modules import module_requests, parse_lora_modules
     from pagedllm.entrypoints.server.shutdown import serve
 
     logging.getLogger("pagedllm").setLevel(args.log_level.upper())
@@ -190,12 +212,26 @@ def run_serve(args: argparse.Namespace) -> int:
     check_shutdown_timeout(shutdown_timeout)
     take_model_tag(args)
     config = engine_config(args)
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if args.ray and args.enable_lora_loading:
+        raise ValueError(
+            "--enable-lora-loading is not available with --ray: a load must reach every "
+            "engine replica; serve the adapters with --lora-modules instead"
+        )
+    check_lora_options(config.enable_lora, lora_modules, args.enable_lora_loading, args.lora_dir)
     if args.ray:
         from pagedllm.entrypoints.ray_serve.cli import run_ray_serve
 
-        return run_ray_serve(args, config)
+        return run_ray_serve(args, config, lora_modules)
+
+    def make_engine() -> LLMEngine:
+        engine = LLMEngine(config)
+        for lora in module_requests(lora_modules):  # a bad adapter fails before serving
+            engine.check_lora(lora)
+        return engine
+
     # Built on the loop's thread: all torch work on one thread (see AsyncLLMEngine.build).
-    engine = AsyncLLMEngine.build(lambda: LLMEngine(config), max_waiting=args.max_waiting)
+    engine = AsyncLLMEngine.build(make_engine, max_waiting=args.max_waiting)
     try:
         app = create_app(
             engine,
@@ -210,6 +246,9 @@ def run_serve(args: argparse.Namespace) -> int:
             kv_view_text=args.kv_view_text,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            lora_modules=lora_modules,
+            enable_lora_loading=args.enable_lora_loading,
+            lora_dir=args.lora_dir,
         )
         key = "required" if args.api_key else "not required"
         if args.api_key == "":

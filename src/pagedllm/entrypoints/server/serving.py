@@ -32,10 +32,12 @@ from fastapi.responses import JSONResponse, Response
 import pagedllm.entrypoints.server.responses as r
 from pagedllm.engine.engine_client import EngineClient
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.entrypoints.server.body import model_not_found
 from pagedllm.entrypoints.server.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.server.echo import Echo
-from pagedllm.entrypoints.server.errors import from_invalid_param
+from pagedllm.entrypoints.server.errors import APIError, from_invalid_param
 from pagedllm.entrypoints.server.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from pagedllm.entrypoints.server.lora_modules import ServedModels
 from pagedllm.entrypoints.server.metrics import ServerMetrics
 from pagedllm.entrypoints.server.prompts import PromptEncoder
 from pagedllm.entrypoints.server.protocol import CompletionRequest
@@ -58,6 +60,7 @@ from pagedllm.entrypoints.server.tool_parsers import DEFAULT_PARSER, PARSERS, To
 from pagedllm.entrypoints.server.tool_stream import ToolCallStream
 from pagedllm.entrypoints.server.tools import offered_tools
 from pagedllm.errors import InvalidParameterError
+from pagedllm.lora import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -110,6 +113,8 @@ class Serving:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
     # splits a chat answer's reasoning from its content (reasoning.py); None: no split
     reasoning: ReasoningParser | None = None
+    # the base's names and the LoRA adapters a request's `model` may pick; None: the base
+    models: ServedModels | None = None
     encoder: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,7 +144,8 @@ class Serving:
         created = int(time.time())  # one value for every chunk of a stream, as OpenAI's
         client_id = request_id(raw)
         rid = f"{prefix}-{client_id}-{next(self._numbers)}"
-        with request_fields(req.param_names()):
+        lora = self._adapter(req.model)
+        with self._unloaded(req.model, lora), request_fields(req.param_names()):
             req.check()
             params = req.sampling_params()
             prompts = await encode()
@@ -148,7 +154,7 @@ class Serving:
             if field is not None and not isinstance(req, CompletionRequest):
                 params = self._after_reasoning(params, field)
             gen = await submit(
-                self.engine, self.metrics, rid, prompts, params, arrival, client_id, field
+                self.engine, self.metrics, rid, prompts, params, arrival, client_id, field, lora
             )
         logger.info(
             "request %s: %s, engine request %s, %d prompt(s)",
@@ -157,7 +163,36 @@ class Serving:
             rid,
             len(prompts),
         )
-        return Started(rid, created, self.model_name, params, gen)
+        model = self.model_name if lora is None else lora.lora_name
+        return Started(rid, created, model, params, gen)
+
+    def _adapter(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's `model` names (None: the base); 404 if the name
+        is no longer served (unloaded since the body was read)."""
+        if self.models is None:
+            return None
+        try:
+            return self.models.lora(model)
+        except KeyError:
+            raise model_not_found(str(model), self.models.names()) from None
+
+    @contextmanager
+    def _unloaded(self, model: str | None, lora: LoRARequest | None) -> Iterator[None]:
+        """404 `model_not_found` for a request whose adapter was unloaded while it was
+        being prepared (the engine refuses the retired id), as for one that came after."""
+        try:
+            yield
+        except APIError as exc:
+            if lora is not None and exc.status == 400 and self._retired(model, lora):
+                assert self.models is not None
+                raise model_not_found(str(model), self.models.names()) from None
+            raise
+
+    def _retired(self, model: str | None, lora: LoRARequest) -> bool:
+        try:
+            return self._adapter(model) != lora
+        except APIError:
+            return True
 
     def reasoning_tokens(self, token_ids: list[int]) -> int:
         """How many of an output's tokens are reasoning (reasoning.reasoning_tokens); 0

@@ -29,6 +29,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.entrypoints.server.errors import APIError, client_closed
 from pagedllm.entrypoints.server.metrics import RequestTracker, ServerMetrics
 from pagedllm.errors import EngineOverloadedError, EngineStoppedError, RequestFailedError
+from pagedllm.lora import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 RETRY_AFTER_S = 1
@@ -82,16 +83,19 @@ async def submit(
     arrival: float,
     client_id: str = "-",
     grammar_param: str | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> Generation:
-    """Queue one engine request per prompt, all or none, for the HTTP request the logs
-    call `client_id`. InvalidParameterError (a bad request; a grammar that cannot be
-    compiled names `grammar_param`, the request's field) passes through for the caller to
-    map to its fields."""
+    """Queue one engine request per prompt, all or none, under the adapter `lora_request`
+    (None: the base), for the HTTP request the logs call `client_id`.
+    InvalidParameterError (a bad request; a grammar that cannot be compiled names
+    `grammar_param`, the request's field) passes through for the caller to map to its
+    fields."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
         stream = await engine.add_requests(
             [(rid, prompt, params) for rid, prompt in zip(ids, prompts, strict=True)],
             grammar_param=grammar_param,
+            lora_request=lora_request,
         )
     except EngineOverloadedError as exc:
         raise overloaded(exc) from None

@@ -1,6 +1,6 @@
-// Several activation rows at once: one weight row of Q4_K, Q6_K, Q8_0 or Q4_1 blocks times
-// R (1..kRowsAtOnce) rows of activation blocks, each weight block loaded and unpacked once
-// for all R rows (its nibbles, high bits and scales), where ggml_x86_quants.h's dot
+// Several activation rows at once: one weight row of Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0 or
+// Q4_1 blocks times R (1..kRowsAtOnce) rows of activation blocks, each weight block loaded
+// and unpacked once for all R rows (its nibbles, high bits and scales), where ggml_x86_quants.h's dot
 // products unpack it once per row.
 //
 // Each row's arithmetic is the one-row function's, step for step (the same int32 sums, the
@@ -77,6 +77,75 @@ struct RowsQ4K {
       m = _mm_add_ss(m, _mm_movehdup_ps(m));
       out[r * out_stride] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
     }
+  }
+};
+
+struct RowsQ5K {
+  template <int R>
+  static void run(int n, const void* vx, ActivationRows<block_q8_K> ys, float* out,
+                  int64_t out_stride) {
+    const block_q5_K* x = static_cast<const block_q5_K*>(vx);
+    const int nb = n / QK_K;
+    uint32_t utmp[4];
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m128i mzero = _mm_setzero_si128();
+    const __m256i mone = _mm256_set1_epi8(1);
+    __m256 acc[R];
+    float summs[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), summs[r] = 0.f;
+
+    for (int i = 0; i < nb; ++i) {
+      const float xd = fp16_to_fp32(x[i].d), xdmin = fp16_to_fp32(x[i].dmin);
+      unpack_scales_mins_k4(x[i].scales, utmp);
+      const __m256i mins_and_scales =
+          _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+      const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
+      for (int r = 0; r < R; ++r) {
+        const block_q8_K& y = ys[r][i];
+        const float dmin = -y.d * xdmin;
+        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
+        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
+                                           _mm256_extracti128_si256(q8sums, 1));
+        const __m128i prod = _mm_madd_epi16(mins, q8s);
+        const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+        summs[r] += dmin * _mm_extract_epi32(hsum, 0);
+      }
+      const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+      const __m256i scales = _mm256_set_m128i(sc128, sc128);
+      const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qh));
+      __m256i hmask = mone;
+
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      int bit = 0;
+      for (int j = 0; j < QK_K / 64; ++j) {
+        const __m256i scale_0 = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 0));
+        const __m256i scale_1 = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
+        const __m256i q5bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qs) + j);
+        const __m256i q5l_0 = _mm256_and_si256(q5bits, m4);
+        const __m256i q5h_0 =
+            _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+        const __m256i q5_0 = _mm256_add_epi8(q5l_0, q5h_0);
+        hmask = _mm256_slli_epi16(hmask, 1);
+        const __m256i q5l_1 = _mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4);
+        const __m256i q5h_1 =
+            _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+        const __m256i q5_1 = _mm256_add_epi8(q5l_1, q5h_1);
+        hmask = _mm256_slli_epi16(hmask, 1);
+        for (int r = 0; r < R; ++r) {
+          const __m256i* q8 = reinterpret_cast<const __m256i*>(ys[r][i].qs) + 2 * j;
+          const __m256i p16_0 = _mm256_madd_epi16(
+              scale_0, _mm256_maddubs_epi16(q5_0, _mm256_loadu_si256(q8)));
+          const __m256i p16_1 = _mm256_madd_epi16(
+              scale_1, _mm256_maddubs_epi16(q5_1, _mm256_loadu_si256(q8 + 1)));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16_0, p16_1));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ys[r][i].d * xd), _mm256_cvtepi32_ps(sumi[r]),
+                                 acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum_float_8(acc[r]) + summs[r];
   }
 };
 
@@ -166,6 +235,55 @@ struct RowsQ8_0 {
     for (int r = 0; r < R; ++r) out[r * out_stride] = hsum_float_8(acc[r]);
   }
 };
+
+// Q4_0 and Q5_0 (both times Q8_0): the signed quants of one block, and their magnitudes,
+// made once; each row takes the weights' signs (mul_sum_i8_pairs_float split in two).
+template <typename Unpack>
+struct RowsSigned32 {
+  template <int R>
+  static void run(int n, const void* vx, ActivationRows<block_q8_0> ys, float* out,
+                  int64_t out_stride) {
+    using WeightBlock = typename Unpack::Block;
+    const WeightBlock* x = static_cast<const WeightBlock*>(vx);
+    const int nb = n / QK8_0;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int ib = 0; ib < nb; ++ib) {
+      const float xd = fp16_to_fp32(x[ib].d);
+      const __m256i qx = Unpack::quants(x[ib]);
+      const __m256i ax = _mm256_sign_epi8(qx, qx);
+      for (int r = 0; r < R; ++r) {
+        const block_q8_0& y = ys[r][ib];
+        const __m256 d = _mm256_set1_ps(xd * fp16_to_fp32(y.d));
+        const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.qs));
+        const __m256 q = mul_sum_us8_pairs_float(ax, _mm256_sign_epi8(qy, qx));
+        acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum_float_8(acc[r]);
+  }
+};
+
+// The 32 quants of a Q4_0 block in [-8, 7], as vec_dot_q4_0_q8_0 makes them.
+struct UnpackQ4_0 {
+  using Block = block_q4_0;
+  static __m256i quants(const block_q4_0& b) {
+    return _mm256_sub_epi8(bytes_from_nibbles_32(b.qs), _mm256_set1_epi8(8));
+  }
+};
+
+// The 32 quants of a Q5_0 block in [-16, 15], as vec_dot_q5_0_q8_0 makes them.
+struct UnpackQ5_0 {
+  using Block = block_q5_0;
+  static __m256i quants(const block_q5_0& b) {
+    const __m256i bxhi = bytes_from_bits_32(b.qh);
+    return _mm256_or_si256(bytes_from_nibbles_32(b.qs),
+                           _mm256_andnot_si256(bxhi, _mm256_set1_epi8(static_cast<char>(0xF0))));
+  }
+};
+
+using RowsQ4_0 = RowsSigned32<UnpackQ4_0>;
+using RowsQ5_0 = RowsSigned32<UnpackQ5_0>;
 
 struct RowsQ4_1 {
   template <int R>

@@ -10,8 +10,8 @@
 // inputs directly. The kernels exist twice, for AVX2 and for AVX-512 VNNI (the same source
 // under another target); "auto" takes VNNI where cpu_features.h says so.
 //
-// With many input rows (prompt chunks, batched decode) the Q4_K, Q6_K, Q8_0 and Q4_1 weights
-// take the "gemm" method (ggml_x86_gemm.h): each weight block is unpacked once for
+// With many input rows (prompt chunks, batched decode) the weights of every block type take
+// the "gemm" method (ggml_x86_gemm.h): each weight block is unpacked once for
 // kRowsAtOnce input rows, over tiles of weight rows that stay in cache while every group of
 // input rows passes. Its outputs equal the one-row "gemv" method's bit for bit; "auto" picks
 // it from PAGEDLLM_GGUF_GEMM_MIN_ROWS input rows on (kernels/policy.py, passed by the build).
@@ -102,8 +102,6 @@ float dot_fp(int n, const void* weight_row, const void* activation_row) {
   return sum;
 }
 
-#define PAGEDLLM_BLOCK_KERNELS(quantize, dot) \
-  {gguf_avx2::quantize, gguf_avx2::dot}, { gguf_vnni::quantize, gguf_vnni::dot }
 #define PAGEDLLM_GEMM_KERNELS(quantize, dot, rows, block)                          \
   {gguf_avx2::quantize, gguf_avx2::dot, gguf_avx2::rows_dot<gguf_avx2::rows, block>}, { \
     gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::rows_dot<gguf_vnni::rows, block>    \
@@ -112,19 +110,21 @@ float dot_fp(int n, const void* weight_row, const void* activation_row) {
 const GgufType kTypes[] = {
     {1, "F16", 1, 2, 4, {nullptr, dot_fp<c10::Half>}, {nullptr, dot_fp<c10::Half>}},
     {30, "BF16", 1, 2, 4, {nullptr, dot_fp<c10::BFloat16>}, {nullptr, dot_fp<c10::BFloat16>}},
-    {2, "Q4_0", 32, 18, 34, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0)},
+    {2, "Q4_0", 32, 18, 34,
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0, RowsQ4_0, ggml::block_q8_0)},
     {3, "Q4_1", 32, 20, 36,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_1, vec_dot_q4_1_q8_1, RowsQ4_1, ggml::block_q8_1)},
-    {6, "Q5_0", 32, 22, 34, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0)},
+    {6, "Q5_0", 32, 22, 34,
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0, RowsQ5_0, ggml::block_q8_0)},
     {8, "Q8_0", 32, 34, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q8_0_q8_0, RowsQ8_0, ggml::block_q8_0)},
     {12, "Q4_K", 256, 144, 292,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q4_K_q8_K, RowsQ4K, ggml::block_q8_K)},
-    {13, "Q5_K", 256, 176, 292, PAGEDLLM_BLOCK_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K)},
+    {13, "Q5_K", 256, 176, 292,
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K, RowsQ5K, ggml::block_q8_K)},
     {14, "Q6_K", 256, 210, 292,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q6_K_q8_K, RowsQ6K, ggml::block_q8_K)},
 };
-#undef PAGEDLLM_BLOCK_KERNELS
 #undef PAGEDLLM_GEMM_KERNELS
 
 const GgufType& gguf_type(int64_t id) {
