@@ -10,6 +10,7 @@ from typing import Any
 from pagedllm.bench import (
     engine_benches,
     llamacpp,
+    lora,
     quality,
     report,
     scale_out,
@@ -30,6 +31,7 @@ BENCH_MODULES = (
     serve,
     scale_out,
     llamacpp,
+    lora,
     report,
 )
 

@@ -21,6 +21,7 @@ from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.loader import LoadedModel
+from pagedllm.lora import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.factory import RealRunner, build_runner
 from pagedllm.worker.fake_runner import FakeModelRunner
@@ -52,9 +53,13 @@ def count_slots(snapshot: EngineSnapshot, final_len: dict[str, int], slots: dict
 
 
 def run_workload(
-    engine: LLMEngine, requests: Sequence[BenchRequest], clock: str = "wall"
+    engine: LLMEngine,
+    requests: Sequence[BenchRequest],
+    clock: str = "wall",
+    lora_requests: Sequence[LoRARequest | None] | None = None,
 ) -> SweepRun:
-    """Run every request to completion; `clock` is "wall" (seconds) or "steps"."""
+    """Run every request to completion; `clock` is "wall" (seconds) or "steps";
+    `lora_requests`: the adapter each request runs under (None: the base)."""
     pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
     final_len = {str(i): r.total_len for i, r in enumerate(requests)}
     samples: list[tuple[float, int, int, float]] = []
@@ -73,7 +78,8 @@ def run_workload(
         while pending and requests[pending[0]].arrival_time <= now():
             r = requests[i := pending.pop(0)]
             params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0)
-            engine.add_request(str(i), list(r.prompt_token_ids), params)
+            lora = {"lora_request": lora_requests[i]} if lora_requests else {}
+            engine.add_request(str(i), list(r.prompt_token_ids), params, **lora)
         if not engine.has_unfinished_requests():
             skipped += requests[pending[0]].arrival_time - now()
             continue
