@@ -47,7 +47,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "core": {"kv", "errors", "sampling_params", "validation"},
     "kernels": {"errors", "cache_root"},
     "attention": {"kernels", "errors"},
-    "model": {"attention", "kernels", "errors"},
+    "model": {"attention", "kernels", "errors", "validation"},
     "loader": {"model", "errors", "cache_root"},
     # LoRA adapters: PEFT files and the low-rank products a model applies on its rows
     "lora": {"model", "loader", "errors", "validation"},

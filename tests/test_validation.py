@@ -1,13 +1,25 @@
 """check_int, the one integer check: the field and the range in every refusal, bools
-refused, integer scalars of other kinds taken as ints, 64 bits at most."""
+refused, integer scalars of other kinds taken as ints, 64 bits at most; no integer check
+written by hand outside validation.py (read with `ast`), and the configs that used to
+write their own refuse a bool."""
 
 from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hf_oracle import TINY
 from pagedllm.errors import InvalidParameterError
+from pagedllm.loader import ModelLoadError
+from pagedllm.loader.hf_loader import hf_config
+from pagedllm.model.config import ModelConfig
 from pagedllm.validation import check_int
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "pagedllm"
 
 
 @pytest.mark.parametrize(
@@ -45,3 +57,72 @@ def test_the_words_can_be_the_callers() -> None:
     assert str(info.value) == "prompt token id must be an integer in [0, 127], got 500"
     with pytest.raises(InvalidParameterError, match=r"^best_of must be an integer >= n \(2\)"):
         check_int(1, "best_of", min=2, allowed="an integer >= n (2)")
+
+
+def isinstance_checks(expr: ast.expr) -> list[tuple[str, str]]:
+    """The (value, type) of each `isinstance(value, type)` in a boolean expression, through
+    `and`, `or` and `not`."""
+    if isinstance(expr, ast.BoolOp):
+        return [check for value in expr.values for check in isinstance_checks(value)]
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+        return isinstance_checks(expr.operand)
+    if (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Name)
+        and expr.func.id == "isinstance"
+        and len(expr.args) == 2
+    ):
+        return [(ast.unparse(expr.args[0]), ast.unparse(expr.args[1]))]
+    return []
+
+
+def hand_written_int_checks(tree: ast.AST) -> list[int]:
+    """Lines with `isinstance(x, bool) ... isinstance(x, int)` in one condition."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BoolOp):
+            checks = isinstance_checks(node)
+            bools = {value for value, kind in checks if kind == "bool"}
+            if any(kind == "int" and value in bools for value, kind in checks):
+                found.append(node.lineno)
+    return found
+
+
+def test_the_search_sees_a_hand_written_check() -> None:
+    code = "if isinstance(n, bool) or not isinstance(n, int) or n < 1: raise ValueError(n)\n"
+    code += "ok = isinstance(x, int) and not isinstance(x, bool)\n"
+    code += "number = isinstance(y, bool) or not isinstance(y, int | float)\n"  # not an int check
+    assert hand_written_int_checks(ast.parse(code)) == [1, 2]
+
+
+def window_config(windows: tuple[object, ...]) -> ModelConfig:
+    return ModelConfig(
+        architecture="mistral",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=len(windows),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        layer_windows=windows,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("window", [True, 0, 2.0])
+def test_a_window_is_a_positive_integer(window: object) -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        window_config((8, window))
+    assert info.value.param == "layer_windows"
+    assert str(info.value) == (
+        "model config layer_windows entries must be None or a positive number of tokens, "
+        f"got {window!r}"
+    )
+    assert window_config((np.int64(8), None)).layer_windows == (8, None)
+
+
+def test_a_config_json_window_of_true_is_refused(tmp_path: Path) -> None:
+    fields = {"model_type": "mistral", **TINY, "sliding_window": True}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ModelLoadError, match=r"layer_windows entries .* got True$"):
+        hf_config(str(tmp_path))
