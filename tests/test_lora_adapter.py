@@ -145,6 +145,7 @@ def test_rows_are_grouped_into_tiles_of_one_adapter() -> None:
     assert tiles.src.tolist() == [0, 1, 2, 3, 4, 6, 7]
     one_each = plan_rows(torch.tensor([1, -1, 0]), num_slots=2)
     assert one_each is not None and one_each.tile_slot is None  # tile i is slot i
+    assert one_each.src is None and one_each.dst.tolist() == [2, 0]  # no padding
     assert plan_rows(torch.tensor([-1, -1]), num_slots=1) is None
 
 

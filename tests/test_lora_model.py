@@ -74,9 +74,10 @@ def _runner(path: str, quantization: str = "none", **options) -> TorchModelRunne
     return runner
 
 
-def _steps(runner: TorchModelRunner, adapters: dict[int, Path], prompts, lora_ids):
+def _steps(runner: TorchModelRunner, adapters: dict[int, Path], prompts, lora_ids, between=None):
     """A prefill step and a decode step of `prompts` (sequence i under lora_ids[i]), the
-    adapters loaded into pages past the sequences' blocks; the logits of each step."""
+    adapters loaded into pages past the sequences' blocks; the logits of each step.
+    `between()` runs between the two."""
     blocks, next_block = [], 0
     for p in prompts:
         n = -(-(len(p) + 1) // BLOCK)
@@ -95,6 +96,8 @@ def _steps(runner: TorchModelRunner, adapters: dict[int, Path], prompts, lora_id
     )
     step = SchedulerOutput(seqs, {}, (), (), lora_loads=tuple(loads), lora_pages=pages)
     prefill, _ = runner.forward(step, runner.input_batch.step_tables(step))
+    if between is not None:
+        between()
     nxt = [(7 * k + 3) % 128 for k in range(len(prompts))]
     seqs = tuple(
         ScheduledSeq(
@@ -134,9 +137,21 @@ def _check(prefill, decode, nxt, base: Path, adapters: dict[int, Path]) -> None:
 
 
 def test_mixed_batch_matches_peft_row_for_row(tiny_llama_dir: Path, adapters) -> None:
+    """Also after the engine removed adapter 1 (drop_adapter): its requests in flight
+    finish under it, read from its pages."""
     runner = _runner(str(tiny_llama_dir), attention_backend="reference")
-    prefill, decode, nxt = _steps(runner, adapters, PROMPTS, LORA_IDS)
+    drop = lambda: runner.drop_adapter(1)  # noqa: E731
+    prefill, decode, nxt = _steps(runner, adapters, PROMPTS, LORA_IDS, drop)
     _check(prefill, decode, nxt, tiny_llama_dir, adapters)
+
+
+def test_host_cache_keeps_max_cpu_loras(tiny_llama_dir: Path, adapters) -> None:
+    runner = _runner(str(tiny_llama_dir), max_cpu_loras=2)
+    lora = runner.lora
+    assert lora is not None
+    for i in (1, 2, 1, 3, 1, 2):
+        runner.adapter_pages(str(adapters[i]), BLOCK)
+    assert lora.num_disk_loads == 4  # 1, 2, 3 and 2 again (1 stayed the most recent)
 
 
 def test_gguf_base_matches_peft_on_the_hf_model(

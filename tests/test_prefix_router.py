@@ -24,6 +24,7 @@ from pagedllm.entrypoints.ray_serve.prefix_router import (
     PrefixAwareRouter,
     prompt_block_hashes,
 )
+from pagedllm.lora import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="test")
@@ -58,18 +59,23 @@ def new_router(**kwargs: Any) -> PrefixAwareRouter:
     return router
 
 
-def pending(tokens: list[int]) -> PendingRequest:
-    """A `generate(requests, arrival_time)` call as the ingress makes it (made in a loop:
-    it holds a future)."""
+def pending(tokens: list[int], lora: LoRARequest | None = None) -> PendingRequest:
+    """A `generate(requests, arrival_time, grammar_param, lora_request)` call as the
+    ingress makes it (made in a loop: it holds a future)."""
     metadata = RequestMetadata(request_id="r0", internal_request_id="r0", call_method="generate")
     return PendingRequest(
-        args=[[("r0", tokens, SamplingParams())], None], kwargs={}, metadata=metadata
+        args=[[("r0", tokens, SamplingParams())], None, None, lora], kwargs={}, metadata=metadata
     )
 
 
-def choose(router: PrefixAwareRouter, replicas: list[StandInReplica], tokens: Any) -> list:
+def choose(
+    router: PrefixAwareRouter,
+    replicas: list[StandInReplica],
+    tokens: Any,
+    lora: LoRARequest | None = None,
+) -> list:
     async def route() -> list:
-        return await router.choose_replicas(replicas, pending(tokens))  # type: ignore[arg-type]
+        return await router.choose_replicas(replicas, pending(tokens, lora))  # type: ignore[arg-type]
 
     ranks = asyncio.run(route())
     return [[r.replica_id.unique_id for r in rank] for rank in ranks]
@@ -86,6 +92,20 @@ def test_the_longest_cached_prefix_wins_within_the_imbalance() -> None:
     router.on_new_queue_len_info(b.replica_id, 3)  # 3 more than the least loaded: too busy
     assert choose(router, [a, b, c], PROMPT) == [["a"], ["c", "b"]]
     assert (router.num_prefix_routed, router.num_balanced) == (1, 1)
+
+
+def test_prefixes_are_matched_under_their_adapter() -> None:
+    """A prefix cached under an adapter draws requests under that adapter only (the
+    engine's prefix cache is keyed by adapter), and the base's prefix does not draw them."""
+    base = StandInReplica("base", {"cached": prompt_block_hashes(PROMPT, BLOCK)})
+    tuned = StandInReplica("tuned", {"cached": prompt_block_hashes(PROMPT, BLOCK, lora_id=3)})
+    idle = StandInReplica("idle", {"cached": []})
+    router = new_router(max_imbalance=2)
+    lora = LoRARequest("sql", 3, "/adapters/sql")
+    assert choose(router, [idle, base, tuned], PROMPT, lora)[0] == ["tuned"]
+    assert choose(router, [idle, base, tuned], PROMPT)[0] == ["base"]
+    other = LoRARequest("chat", 4, "/adapters/chat")
+    assert choose(new_router(), [idle, base, tuned], PROMPT, other)[0] == ["idle"]
 
 
 @pytest.mark.parametrize(

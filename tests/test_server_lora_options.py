@@ -124,6 +124,9 @@ def test_lora_path_stays_inside_the_lora_dir(tmp_path: Path) -> None:
     outside.mkdir()
     (root / "escape").symlink_to(outside)
     (root / "inner").symlink_to(root / "a")
+    (root / "c").mkdir()  # an adapter folder whose config links out
+    (outside / "adapter_config.json").write_text("{}")
+    (root / "c" / "adapter_config.json").symlink_to(outside / "adapter_config.json")
     real = os.path.realpath
     assert check_lora_path(str(root / "a"), str(root)) == real(root / "a")
     assert check_lora_path("a", str(root)) == real(root / "a")  # relative: under the dir
@@ -135,6 +138,7 @@ def test_lora_path_stays_inside_the_lora_dir(tmp_path: Path) -> None:
         "../secret",
         "a/../../secret",
         "escape",  # a symlink out
+        "c",  # a file in it links out
         str(root),  # the directory itself is no adapter
         "/etc",
         "missing",

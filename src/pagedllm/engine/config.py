@@ -21,7 +21,6 @@ from pagedllm.validation import as_int, check_int
 from pagedllm.worker.options import RunnerOptions
 
 LORA_SLOTS = ("unified", "static")
-MAX_LORA_RANK = 512
 
 _UNITS = {
     "": 1,
@@ -144,9 +143,9 @@ class EngineConfig:
         self.kv_events_keys()  # the endpoint and the keys checked now, before a model loads
 
     def _check_lora(self) -> None:
-        check_int(self.max_lora_rank, "max_lora_rank", min=1, max=MAX_LORA_RANK)
+        """The engine's LoRA options (the runner's own, max_lora_rank and max_cpu_loras,
+        and its one-device rule, are checked by RunnerOptions)."""
         check_int(self.max_loras, "max_loras", min=1)
-        check_int(self.max_cpu_loras, "max_cpu_loras", min=1)
         if self.lora_slots not in LORA_SLOTS:
             raise InvalidParameterError(
                 "lora_slots",
@@ -154,23 +153,11 @@ class EngineConfig:
             )
         if not self.enable_lora:
             return
-        if self.tensor_parallel_size > 1:
-            raise InvalidParameterError(
-                "enable_lora",
-                "LoRA adapters run on one device: use tensor_parallel_size 1 with enable_lora "
-                f"(got {self.tensor_parallel_size})",
-            )
         if self.kv_reservation != "paged":
             raise InvalidParameterError(
                 "enable_lora",
                 "LoRA adapters take pages of the paged pool: enable_lora needs "
                 f"kv_reservation='paged', got {self.kv_reservation!r}",
-            )
-        if self.speculative_method == "draft":
-            raise InvalidParameterError(
-                "speculative_method",
-                "the draft model has no LoRA adapters: with enable_lora use "
-                "speculative_method 'ngram' or none",
             )
 
     def with_quantizations_of(self, options: RunnerOptions) -> EngineConfig:

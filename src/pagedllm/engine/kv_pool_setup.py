@@ -40,13 +40,7 @@ def build_kv_pool(config: EngineConfig, runner: ModelRunner) -> KVPool:
         spec.layer_windows, spec.num_layers, not config.disable_hybrid_kv_cache_manager
     )
     adapters = None
-    if config.enable_lora:
-        if len(groups) > 1:
-            raise InvalidParameterError(
-                "enable_lora",
-                "LoRA adapters take pages of one layer group: this model's sliding-window "
-                "layers form several; add disable_hybrid_kv_cache_manager",
-            )
+    if config.enable_lora:  # one layer group only: the runner refuses more
         max_adapter_pages = runner.max_adapter_pages(config.block_size)
         adapters = (
             AdapterPoolConfig("static", config.max_loras, max_adapter_pages)

@@ -208,24 +208,19 @@ class LLMEngine:
             self._beams[request_id] = BeamState(params, frozenset(self.eos_token_ids))
 
     def check_request(
-        self,
-        prompt: Seq[int],
-        params: SamplingParams | BeamSearchParams | None = None,
-        lora_request: LoRARequest | None = None,
+        self, prompt: Seq[int], params: SamplingParams | BeamSearchParams | None = None
     ) -> None:
         """InvalidParameterError if add_request would refuse this request for its token
-        ids, sequence count, context, adapter or KV-pool fit: checks that cost next to
-        nothing once its adapter is known, for the server to make before it compiles a
-        grammar. Safe from any thread (it reads only what the engine's configuration and
-        its known adapters fix)."""
-        adapter = self.loras.check(lora_request) if lora_request is not None else None
-        self.checks.check(prompt, params or SamplingParams(), adapter.pages if adapter else 0)
+        ids, sequence count, context or KV-pool fit: checks that cost next to nothing, for
+        the server to make before it compiles a grammar. Safe from any thread (it reads
+        only what the engine's configuration fixes). An adapter is checked by check_lora."""
+        self.checks.check(prompt, params or SamplingParams())
 
     def check_lora(self, lora_request: LoRARequest) -> KnownAdapter:
         """The adapter `lora_request` names, checked: its files against the base model and
         max_lora_rank, its id against the adapters seen before, and its pages against the
         pool (a one-token request under it must fit); InvalidParameterError naming the
-        field otherwise. Safe from any thread."""
+        field otherwise. On the engine's thread: the runner reads the files."""
         adapter = self.loras.check(lora_request)
         self.scheduler.check_fits(1, 1, lora_pages=adapter.pages)
         return adapter
@@ -383,6 +378,10 @@ class LLMEngine:
             for request_id in step.request_ids
             if (req := self.scheduler.requests.get(request_id)) is not None
         ]
+        # The adapters this step was to write may not be in their pages: the next request
+        # under one loads it again.
+        for load in step.lora_loads:
+            self.kv.adapters.evict(load.lora_id)
         self.listeners.step_end(step, outputs, self.snapshot())
         return outputs
 

@@ -4,12 +4,12 @@ An id names one adapter for the engine's whole life: the prefix cache and the po
 adapter pages are keyed by it, so the same id with another path is refused, and an id
 that was removed is never taken again (blocks cached under it must not be reused under a
 different adapter). Each adapter's files are checked, and its page count found, once, by
-the runner (against the base model and max_lora_rank).
+the runner (against the base model and max_lora_rank). Used on the engine's thread only,
+as the runner is.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,8 +33,6 @@ class LoRAAdapters:
         self._pages_of = pages_of
         self._known: dict[int, KnownAdapter] = {}
         self._retired: set[int] = set()
-        # The server checks adapters off the engine's thread.
-        self._lock = threading.Lock()
 
     def check(self, lora_request: LoRARequest) -> KnownAdapter:
         """The adapter `lora_request` names, its files checked the first time; an
@@ -44,38 +42,28 @@ class LoRAAdapters:
                 "lora_request", "this engine runs no LoRA adapters: start it with enable_lora"
             )
         lora_id, path = lora_request.lora_int_id, lora_request.lora_path
-        with self._lock:
-            if lora_id in self._retired:
-                raise InvalidParameterError(
-                    "lora_int_id",
-                    f"lora_int_id {lora_id} belonged to a removed adapter: ids are not reused",
-                )
-            known = self._known.get(lora_id)
-        if known is not None:
-            if known.path != path:
-                raise InvalidParameterError(
-                    "lora_int_id",
-                    f"lora_int_id {lora_id} is the adapter at {known.path!r}, not {path!r}: "
-                    "each adapter needs its own id",
-                )
-            return known
-        pages = self._pages_of(path)  # reads files: outside the lock
-        with self._lock:
-            known = self._known.setdefault(
-                lora_id, KnownAdapter(lora_id, lora_request.lora_name, path, pages)
+        if lora_id in self._retired:
+            raise InvalidParameterError(
+                "lora_int_id",
+                f"lora_int_id {lora_id} belonged to a removed adapter: ids are not reused",
             )
-        if known.path != path:  # another thread took the id for another path meanwhile
-            return self.check(lora_request)
+        known = self._known.get(lora_id)
+        if known is None:
+            pages = self._pages_of(path)
+            known = self._known[lora_id] = KnownAdapter(
+                lora_id, lora_request.lora_name, path, pages
+            )
+        elif known.path != path:
+            raise InvalidParameterError(
+                "lora_int_id",
+                f"lora_int_id {lora_id} is the adapter at {known.path!r}, not {path!r}: "
+                "each adapter needs its own id",
+            )
         return known
 
     def retire(self, lora_id: int) -> bool:
         """Forget the adapter `lora_id` for good; False if it was not known."""
-        with self._lock:
-            known = self._known.pop(lora_id, None)
-            if known is not None:
-                self._retired.add(lora_id)
-        return known is not None
-
-    def known(self) -> list[KnownAdapter]:
-        with self._lock:
-            return sorted(self._known.values(), key=lambda a: a.lora_id)
+        if self._known.pop(lora_id, None) is None:
+            return False
+        self._retired.add(lora_id)
+        return True

@@ -17,10 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.reservation import RESERVATION_POLICIES
-from pagedllm.engine.config import LORA_SLOTS, MAX_LORA_RANK, EngineConfig
+from pagedllm.engine.config import LORA_SLOTS, EngineConfig
 from pagedllm.engine.kv_event_access import CLIENT_PUBLIC_KEYS_ENV, SERVER_SECRET_KEY_ENV
 from pagedllm.kv.block_table import MAX_BLOCK_SIZE
-from pagedllm.worker.options import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+from pagedllm.worker.options import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    MAX_LORA_RANK,
+    QUANTIZATIONS,
+)
 
 
 @dataclass(frozen=True)

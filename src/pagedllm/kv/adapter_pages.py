@@ -172,6 +172,16 @@ class AdapterPages:
             self._lru.pop(lora_id, None)
             self._release(lora_id)
 
+    def evict(self, lora_id: int) -> bool:
+        """Evict the adapter now if it is resident and unpinned (its pages may not hold its
+        weights: the step that was to write them failed); False if it is not."""
+        if lora_id not in self._lru:
+            return False
+        del self._lru[lora_id]
+        self.num_evictions += 1
+        self._release(lora_id)
+        return True
+
     def evict_for(self, num_blocks: int) -> bool:
         """Evict unpinned adapters, least recently used first, until the allocator has
         `num_blocks` free blocks; all or nothing: False and no eviction if it cannot."""

@@ -6,10 +6,11 @@ SGMV grouping, made of batched matrix products): x [tiles, T, in] times the tile
 and then its B^T, and the results added into their rows of the output. Base rows take no
 work. The grouping (`RowTiles`) is built once per step with tensor ops, no loop over rows,
 and shared by every layer and projection. The step's adapters are stacked per projection
-(`AdapterStacks`): A [layers, adapters, R, in] and B [layers, adapters, out, R], each
-adapter's rank padded with zeros to the step's largest; a fused projection's targets sit
-side by side in R, with B block-diagonal, so q/k/v (and gate/up) take one pair of
-products. Padding adds exact zeros.
+(`AdapterStacks`): A [layers, adapters, R, in] and, per target, B^T [layers, adapters,
+r, out] (stored transposed: the product reads it in order), each adapter's rank padded
+with zeros to the step's largest. A fused projection's targets share one A product (their
+ranks side by side in R); each target's B product then writes its own slice of the
+output. Padding adds exact zeros.
 """
 
 from __future__ import annotations
@@ -37,9 +38,19 @@ MAX_TILE_ROWS = 64
 
 
 @dataclass(frozen=True)
+class TargetB:
+    """One target's B^T in a fused projection: rank columns [r_at, r_at + r) of the A
+    product, output columns [out_at, out_at + out)."""
+
+    r_at: int
+    out_at: int
+    bt: torch.Tensor  # [layers, adapters, r, out]
+
+
+@dataclass(frozen=True)
 class SiteStack:
     a: torch.Tensor  # [layers, adapters, R, in]
-    b: torch.Tensor  # [layers, adapters, out, R]
+    bs: tuple[TargetB, ...]
 
 
 @dataclass(frozen=True)
@@ -69,17 +80,20 @@ def build_stacks(
         if not any(ranks):
             continue
         n_in = shapes[targets[0]][0]
-        outs = [shapes[t][1] for t in targets]
         a = torch.zeros(layers, n, sum(ranks), n_in, device=device)
-        b = torch.zeros(layers, n, sum(outs), sum(ranks), device=device)
-        for slot, ((c, _), (va, vb)) in enumerate(zip(adapters, views, strict=True)):
-            r_at, o_at = 0, 0
-            for t, span, n_out in zip(targets, ranks, outs, strict=True):
-                if t in c.targets:
-                    a[:, slot, r_at : r_at + c.r] = va[t]
-                    b[:, slot, o_at : o_at + n_out, r_at : r_at + c.r] = vb[t]
-                r_at, o_at = r_at + span, o_at + n_out
-        sites[site] = SiteStack(a, b)
+        bs = []
+        r_at, out_at = 0, 0
+        for t, span in zip(targets, ranks, strict=True):
+            n_out = shapes[t][1]
+            if span:
+                bt = torch.zeros(layers, n, span, n_out, device=device)
+                for slot, ((c, _), (va, vb)) in enumerate(zip(adapters, views, strict=True)):
+                    if t in c.targets:
+                        a[:, slot, r_at : r_at + c.r] = va[t]
+                        bt[:, slot, : c.r] = vb[t].transpose(1, 2)
+                bs.append(TargetB(r_at, out_at, bt))
+            r_at, out_at = r_at + span, out_at + n_out
+        sites[site] = SiteStack(a, tuple(bs))
     return AdapterStacks(lora_ids, sites)
 
 
@@ -89,7 +103,8 @@ class RowTiles:
 
     gather: torch.Tensor  # [tiles * rows_per_tile]: the row each tile position reads
     tile_slot: torch.Tensor | None  # [tiles]: each tile's adapter slot (None: tile i = slot i)
-    src: torch.Tensor  # positions in the flattened tiles that hold a real row ...
+    # positions in the flattened tiles that hold a real row (None: all, no padding) ...
+    src: torch.Tensor | None
     dst: torch.Tensor  # ... and the rows they belong to
     tiles: int
     rows_per_tile: int
@@ -122,7 +137,8 @@ def plan_rows(
         if identity
         else torch.repeat_interleave(torch.arange(num_slots, device=rows.device), tiles_of)
     )
-    return RowTiles(gather, tile_slot, flat, rows, tiles, per_tile)
+    src = None if tiles * per_tile == rows.numel() else flat  # unpadded: flat is 0, 1, ...
+    return RowTiles(gather, tile_slot, src, rows, tiles, per_tile)
 
 
 class LoRABatch:
@@ -137,11 +153,15 @@ class LoRABatch:
         stack = self.stacks.sites.get(site)
         if stack is None:
             return
-        tiles = self.tiles
-        a, b = stack.a[layer], stack.b[layer]
-        if tiles.tile_slot is not None:
-            a, b = a[tiles.tile_slot], b[tiles.tile_slot]
+        tiles, slots = self.tiles, self.tiles.tile_slot
+        a = stack.a[layer] if slots is None else stack.a[layer][slots]
         xg = x[tiles.gather].view(tiles.tiles, tiles.rows_per_tile, -1).to(a.dtype)
-        h = torch.bmm(xg, a.transpose(1, 2))
-        d = torch.bmm(h, b.transpose(1, 2)).view(-1, b.shape[1])
-        out.index_add_(0, tiles.dst, d[tiles.src].to(out.dtype))
+        h = torch.bmm(xg, a.transpose(1, 2))  # [tiles, T, R]
+        whole = len(stack.bs) == 1 and stack.bs[0].bt.shape[-1] == out.shape[1]
+        for target in stack.bs:
+            bt = target.bt[layer] if slots is None else target.bt[layer][slots]
+            r, n_out = bt.shape[1:]
+            d = torch.bmm(h[:, :, target.r_at : target.r_at + r], bt).view(-1, n_out)
+            part = out if whole else out[:, target.out_at : target.out_at + n_out]
+            d = d if tiles.src is None else d[tiles.src]
+            part.index_add_(0, tiles.dst, d.to(out.dtype))

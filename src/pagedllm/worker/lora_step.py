@@ -41,7 +41,8 @@ class RunnerLoRA:
         self.device = device
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._paths: dict[int, str] = {}
-        # The layout of every adapter written into pages, to read it back.
+        # The layout of every adapter written into pages, to read it back (kept past
+        # drop_adapter: requests in flight finish under a removed adapter).
         self._layouts: dict[int, LoRAConfig] = {}
         self._stacks_key: tuple[tuple[int, tuple[int, ...]], ...] = ()
         self._stacks: AdapterStacks | None = None
@@ -73,18 +74,20 @@ class RunnerLoRA:
         return pages_for(elems, self._page(block_size))
 
     def drop_adapter(self, lora_id: int) -> None:
+        """Forget the adapter's host copy; its pages still serve the steps that name it."""
         path = self._paths.pop(lora_id, None)
         if path is not None:
             self._host.pop(path, None)
-        self._layouts.pop(lora_id, None)
 
     def step_deltas(
         self, step: SchedulerOutput, cache: PagedKVCache, query_lens: Sequence[int]
     ) -> LoRABatch | None:
         """Write the step's adapter loads into their pages; the deltas of its rows (None:
         every row runs on the base)."""
-        for load in step.lora_loads:
-            adapter = self.adapter(load.lora_path)
+        # Every read (host cache or disk) before any write: a read that fails fails the
+        # step with no page written, and the engine evicts the step's loads.
+        loads = [(load, self.adapter(load.lora_path)) for load in step.lora_loads]
+        for load, adapter in loads:
             write_adapter(cache, adapter.pack(), load.pages)
             self._paths[load.lora_id] = load.lora_path
             self._layouts[load.lora_id] = adapter.config
@@ -97,7 +100,9 @@ class RunnerLoRA:
         if key != self._stacks_key or self._stacks is None:
             adapters = []
             for i, pages in key:
-                c = self._layouts[i]
+                c = self._layouts.get(i)
+                if c is None:
+                    raise RuntimeError(f"adapter {i} runs before any step loaded it into pages")
                 adapters.append(
                     (c, read_adapter(cache, pages, layer_elems(self.config, c.r, c.targets)))
                 )

@@ -24,6 +24,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 # The values that change the weights' form, and so need the CPU and a float32 model.
 QUANTIZED = ("int8", "gguf")
+MAX_LORA_RANK = 512
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class RunnerOptions:
     # max_lora_rank, kept in pool pages; max_cpu_loras loaded adapters stay in host memory.
     enable_lora: bool = False
     max_lora_rank: int = 16
-    max_cpu_loras: int = 8
+    max_cpu_loras: int = 32
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -104,7 +105,7 @@ class RunnerOptions:
             )
 
     def _check_lora(self) -> None:
-        check_int(self.max_lora_rank, "max_lora_rank", min=1, max=512)
+        check_int(self.max_lora_rank, "max_lora_rank", min=1, max=MAX_LORA_RANK)
         check_int(self.max_cpu_loras, "max_cpu_loras", min=1)
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise InvalidParameterError(

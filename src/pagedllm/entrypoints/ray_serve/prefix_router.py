@@ -49,6 +49,14 @@ def prompt_of(pending: PendingRequest | None) -> Sequence[int] | None:
     return prompt if isinstance(prompt, list) else None
 
 
+def adapter_of(pending: PendingRequest) -> int:
+    """The LoRA adapter id a `generate(requests, arrival_time, grammar_param,
+    lora_request)` call runs under (0: the base): prefixes are cached per adapter."""
+    args = pending.args
+    lora = args[3] if len(args) > 3 else pending.kwargs.get("lora_request")
+    return getattr(lora, "lora_int_id", 0)
+
+
 class PrefixAwareRouter(RequestRouter):
     def initialize_state(
         self,
@@ -81,7 +89,7 @@ class PrefixAwareRouter(RequestRouter):
         tokens = prompt_of(pending_request)
         if tokens is None:
             return [by_load]
-        hashes = prompt_block_hashes(tokens, self.block_size)
+        hashes = prompt_block_hashes(tokens, self.block_size, adapter_of(pending_request))
         now = time.monotonic()
         best, best_match = by_load[0], 0
         for replica in by_load:  # ties go to the less loaded

@@ -87,8 +87,9 @@ def module_requests(modules: Sequence[LoRAModule]) -> list[LoRARequest]:
 
 def check_lora_path(lora_path: object, lora_dir: str) -> str:
     """`lora_path` resolved (a relative path is taken under `lora_dir`), if it lies inside
-    `lora_dir` once every symlink and `..` is resolved; InvalidParameterError naming
-    `lora_path` otherwise (a load must not read adapters from anywhere on the host)."""
+    `lora_dir` once every symlink and `..` is resolved, and none of its files links out
+    of it; InvalidParameterError naming `lora_path` otherwise (a load must not read
+    adapters from anywhere on the host)."""
     if not isinstance(lora_path, str) or not lora_path:
         raise InvalidParameterError("lora_path", "lora_path must be a non-empty path")
     if "\x00" in lora_path:
@@ -105,6 +106,13 @@ def check_lora_path(lora_path: object, lora_dir: str) -> str:
         raise InvalidParameterError(
             "lora_path", f"lora_path {lora_path!r} is not a folder under the LoRA directory"
         )
+    for name in os.listdir(resolved):  # the adapter's files too: none may link out
+        target = os.path.realpath(os.path.join(resolved, name))
+        if os.path.commonpath([root, target]) != root:
+            raise InvalidParameterError(
+                "lora_path",
+                f"{name!r} in lora_path {lora_path!r} links outside the LoRA directory",
+            )
     return resolved
 
 

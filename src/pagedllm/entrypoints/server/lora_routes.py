@@ -55,7 +55,11 @@ def lora_router(
             path = check_lora_path(body.lora_path, lora_dir)
             lora = models.new_request(body.lora_name, path)
             await engine.check_lora(lora)
-            models.add(lora)  # checks the name again: another load may have taken it
+            try:
+                models.add(lora)  # checks the name again: another load may have taken it
+            except InvalidParameterError:
+                await engine.remove_lora(lora.lora_int_id)  # the engine forgets it too
+                raise
         except InvalidParameterError as exc:
             raise from_invalid_param(exc) from None
         return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
