@@ -1,7 +1,7 @@
 """check_int, the one integer check: the field and the range in every refusal, bools
 refused, integer scalars of other kinds taken as ints, 64 bits at most; no integer check
-written by hand outside validation.py (read with `ast`), and the configs that used to
-write their own refuse a bool."""
+written by hand outside validation.py (read with `ast`), and what used to write its own
+(a model's windows, a LoRA request's id, an adapter's rank and layers) refuses a bool."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from hf_oracle import TINY
 from pagedllm.errors import InvalidParameterError
 from pagedllm.loader import ModelLoadError
 from pagedllm.loader.hf_loader import hf_config
+from pagedllm.lora import LoRARequest
+from pagedllm.lora.peft_config import read_peft_config
 from pagedllm.model.config import ModelConfig
 from pagedllm.validation import check_int
 
@@ -95,6 +97,14 @@ def test_the_search_sees_a_hand_written_check() -> None:
     assert hand_written_int_checks(ast.parse(code)) == [1, 2]
 
 
+def test_integers_are_checked_by_check_int_alone() -> None:
+    for path in sorted(SRC.rglob("*.py")):
+        if path == SRC / "validation.py":
+            continue
+        lines = hand_written_int_checks(ast.parse(path.read_text()))
+        assert not lines, f"{path.relative_to(SRC)}:{lines}: use validation.check_int"
+
+
 def window_config(windows: tuple[object, ...]) -> ModelConfig:
     return ModelConfig(
         architecture="mistral",
@@ -126,3 +136,39 @@ def test_a_config_json_window_of_true_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(fields))
     with pytest.raises(ModelLoadError, match=r"layer_windows entries .* got True$"):
         hf_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("lora_int_id", [True, 0, 1.0, "1"])
+def test_a_lora_id_is_a_positive_integer(lora_int_id: object) -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        LoRARequest("a", lora_int_id, "p")  # type: ignore[arg-type]
+    assert info.value.param == "lora_int_id"
+    assert str(info.value) == (
+        f"lora_int_id must be an integer >= 1 (0 is the base), got {lora_int_id!r}"
+    )
+    same = LoRARequest("a", np.int64(3), "p")  # type: ignore[arg-type]
+    assert type(same.lora_int_id) is int and same == LoRARequest("a", 3, "p")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"r": True}, "r must be an integer >= 1, got True"),
+        ({"r": 2.0}, "r must be an integer >= 1, got 2.0"),
+        ({"r": 2, "layers_to_transform": True}, "layers_to_transform must name layers 0..1"),
+        ({"r": 2, "layers_to_transform": [0, True]}, "layers_to_transform must name layers"),
+    ],
+)
+def test_an_adapter_rank_and_layers_are_integers(
+    tmp_path: Path, fields: dict[str, object], message: str
+) -> None:
+    config = {"peft_type": "LORA", "target_modules": ["q_proj"], **fields}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidParameterError) as info:
+        read_peft_config(tmp_path, num_layers=2, max_lora_rank=8)
+    assert info.value.param == "lora_path"
+    assert str(info.value).startswith(f"LoRA adapter {tmp_path}: {message}")
+    config.update(r=2, layers_to_transform=[1])
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    lora, pairs = read_peft_config(tmp_path, num_layers=2, max_lora_rank=8)
+    assert (lora.r, lora.layers, pairs) == (2, (1,), frozenset({(1, "q_proj")}))
