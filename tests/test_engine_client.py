@@ -4,10 +4,13 @@ return type that provides the protocol's own (the stream), each property as a pr
 or an annotated attribute of the protocol's type. No type checker is configured (and a
 runtime_checkable isinstance check sees names alone): this test reads the signatures.
 The server runs over a third client as well, and refuses over one that is not in this
-process what needs the engine here (max_waiting, the KV view)."""
+process what needs the engine here (max_waiting, the KV view). The engine in this process
+provides the KV view's protocols too (KVViewSource, LocalEngineClient), and their
+engine-thread calls refuse another thread while its loop runs."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import typing
 from collections.abc import Sequence
@@ -18,12 +21,22 @@ from starlette.testclient import TestClient
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.engine_client import EngineClient, OutputStream, PromptRequest
+from pagedllm.engine.engine_client import (
+    EngineClient,
+    KVRecording,
+    KVViewSource,
+    LocalEngineClient,
+    OutputStream,
+    PromptRequest,
+)
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.snapshot import EngineSnapshot
-from pagedllm.entrypoints.server.app import create_app
+from pagedllm.entrypoints.server.app import create_app, local_engine
 from pagedllm.lora import LoRARequest
+from pagedllm.worker.fake_runner import FakeModelRunner
+from pagedllm.worker.runner import ModelSpec
 
-PROTOCOLS = (EngineClient, OutputStream)
+PROTOCOLS = (EngineClient, OutputStream, KVRecording)
 
 
 def protocol_members(protocol: type) -> list[str]:
@@ -80,6 +93,49 @@ def remote_engine() -> type:
 @pytest.mark.parametrize("engine", [lambda: AsyncLLMEngine, remote_engine], ids=["local", "ray"])
 def test_the_engine_provides_the_client_protocol(engine: Any) -> None:
     assert_provides(engine(), EngineClient)
+
+
+@pytest.mark.parametrize("protocol", [KVViewSource, LocalEngineClient])
+def test_the_engine_in_this_process_provides_the_kv_view_protocols(protocol: type) -> None:
+    assert_provides(AsyncLLMEngine, protocol)
+
+
+def test_the_remote_engine_is_no_kv_view_source() -> None:
+    assert issubclass(AsyncLLMEngine, KVViewSource)
+    assert not issubclass(remote_engine(), KVViewSource)
+
+
+def fake_engine() -> AsyncLLMEngine:
+    config = EngineConfig(num_kv_blocks=16, block_size=4, max_num_seqs=4)
+    return AsyncLLMEngine(LLMEngine(config, runner=FakeModelRunner(ModelSpec(100, 512, (0,)))))
+
+
+def test_the_kv_view_calls_run_on_the_engine_thread_alone() -> None:
+    engine = fake_engine()
+    assert local_engine(engine) is engine and isinstance(engine, KVViewSource)
+    records: list[Any] = []
+
+    async def main() -> tuple[Any, Any, EngineSnapshot]:
+        def attach() -> tuple[Any, Any]:
+            recorder = engine.record_kv(records.append)
+            return recorder, recorder.snapshot()
+
+        recorder, picture = await engine.call(attach)
+        with pytest.raises(RuntimeError, match="inside `call`"):
+            engine.kv_snapshot()  # this thread is not the running loop's
+        with pytest.raises(RuntimeError, match="inside `call`"):
+            engine.record_kv(records.append)
+        await engine.call(recorder.close)
+        plain = await engine.call(lambda: engine.kv_snapshot(text=False))
+        return picture, plain, await engine.snapshot_now(cached_hashes=True)
+
+    try:
+        recorded, plain, snap = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert recorded["step"] == plain["step"] == 0
+    assert recorded["pool"] == plain["pool"]
+    assert (snap.num_running, snap.cached_hashes) == (0, frozenset())
 
 
 def test_the_check_sees_a_parameter_that_differs() -> None:

@@ -47,7 +47,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "core": {"kv", "errors", "sampling_params", "validation"},
     "kernels": {"errors", "cache_root"},
     "attention": {"kernels", "errors"},
-    "model": {"attention", "kernels", "errors"},
+    "model": {"attention", "kernels", "errors", "validation"},
     "loader": {"model", "errors", "cache_root"},
     # LoRA adapters: PEFT files and the low-rank products a model applies on its rows
     "lora": {"model", "loader", "errors", "validation"},
@@ -193,6 +193,25 @@ def test_only_the_engine_reads_the_scheduler_and_the_pool(part: str) -> None:
             if isinstance(node, ast.Attribute) and node.attr in ENGINE_INSIDE_ATTRIBUTES
         }
         assert not attributes, f"{path.relative_to(SRC)} reads .{attributes}: read a snapshot"
+
+
+def test_nothing_outside_the_engine_reaches_through_a_client() -> None:
+    """`x.engine.engine` is an AsyncLLMEngine's LLMEngine: outside engine/ the engine is
+    used through its protocols (engine/engine_client.py), which say what runs where."""
+    for path in SRC.rglob("*.py"):
+        if part_of(path) == "engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "engine"
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "engine"
+            ):
+                raise AssertionError(
+                    f"{path.relative_to(SRC)}:{node.lineno} reaches through .engine.engine: "
+                    "use the engine client's protocols (engine/engine_client.py)"
+                )
 
 
 def test_no_import_cycles_between_modules() -> None:

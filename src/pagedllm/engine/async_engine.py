@@ -36,10 +36,11 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from pagedllm.engine.config import EngineConfig
-from pagedllm.engine.engine_client import PromptRequest
+from pagedllm.engine.engine_client import PromptRequest, T
+from pagedllm.engine.kv_recorder import KVRecorder, Record, Sink
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.request_stream import RequestStream, deliver
@@ -50,16 +51,17 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.validation import check_int
 
 logger = logging.getLogger("pagedllm")
-T = TypeVar("T")
 # Requests waiting for their grammar at once; more queue for a thread. The compiles
 # themselves are capped lower, by the compiler (structured/compile_pool.py).
 GRAMMAR_WAITERS = 8
 
 
 class AsyncLLMEngine:
-    """An EngineClient (engine/engine_client.py) over an LLMEngine in this process."""
+    """An EngineClient (engine/engine_client.py) over an LLMEngine in this process; a
+    LocalEngineClient too (the KV view's source, `max_waiting`)."""
 
     snapshot: EngineSnapshot
+    max_waiting: int | None
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
         _check_max_waiting(max_waiting)
@@ -184,6 +186,29 @@ class AsyncLLMEngine:
 
         self._submit(run)
         return await future
+
+    def record_kv(self, sink: Sink, *, text: bool = False) -> KVRecorder:
+        """LLMEngine.record_kv, on the engine thread only (inside `call`): a recorder
+        handing `sink` a record per step from now on; `close()` it there too."""
+        self._check_engine_thread("record_kv")
+        return self.engine.record_kv(sink, text=text)
+
+    def kv_snapshot(self, *, text: bool = False) -> Record:
+        """LLMEngine.kv_snapshot, on the engine thread only (inside `call`)."""
+        self._check_engine_thread("kv_snapshot")
+        return self.engine.kv_snapshot(text=text)
+
+    async def snapshot_now(self, *, cached_hashes: bool = False) -> EngineSnapshot:
+        """The engine's snapshot taken on its thread after every command before it (not the
+        last step's, as `snapshot`); `cached_hashes`: with the prefix cache's block hashes."""
+        return await self.call(lambda: self.engine.snapshot(cached_hashes=cached_hashes))
+
+    def _check_engine_thread(self, name: str) -> None:
+        """RuntimeError unless called on the loop's thread or with no loop running: the
+        engine is read without locks, so from its own thread alone."""
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            raise RuntimeError(f"{name} runs on the engine thread: call it inside `call`")
 
     async def add_request(
         self,

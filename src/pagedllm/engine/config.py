@@ -17,7 +17,7 @@ from pagedllm.engine.kv_event_access import CurveKeys, publisher_keys
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.block_table import check_block_size
 from pagedllm.spec.config import SpeculativeConfig, speculative_config_from
-from pagedllm.validation import check_int
+from pagedllm.validation import as_int, check_int
 from pagedllm.worker.options import RunnerOptions
 
 LORA_SLOTS = ("unified", "static")
@@ -36,8 +36,8 @@ _UNITS = {
 
 def parse_size(value: int | str, param: str = "kv_cache_memory") -> int:
     """Bytes from an int or a string like "256MiB", "1.5GB", "1048576"."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
+    if (number := as_int(value)) is not None:
+        return number
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).upper() not in _UNITS:
         raise InvalidParameterError(

@@ -2,16 +2,19 @@
 
 Two classes provide it: AsyncLLMEngine (the engine in this process, on its loop thread)
 and RemoteEngine (engine replicas behind a Ray Serve handle). The server is written
-against this protocol alone; what only an engine in this process can do (drain at
-shutdown, the KV view's feed) takes an AsyncLLMEngine by name.
+against this protocol alone. What only an engine in this process can do has protocols
+of its own that AsyncLLMEngine provides and RemoteEngine does not: KVViewSource (the KV
+view's records and pictures) and LocalEngineClient (with the backlog bound); drain at
+shutdown still takes an AsyncLLMEngine by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pagedllm.engine.config import EngineConfig
+from pagedllm.engine.kv_recorder import Record, Sink
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.lora import LoRARequest
@@ -19,6 +22,7 @@ from pagedllm.sampling_params import SamplingParams
 
 # (request id, prompt as text or token ids, its sampling parameters)
 PromptRequest = tuple[str, str | Sequence[int], SamplingParams]
+T = TypeVar("T")
 
 
 class OutputStream(Protocol):
@@ -74,3 +78,40 @@ class EngineClient(Protocol):
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Forget the adapter: requests running under it finish, its id is never served
         again (LLMEngine.remove_lora). False if the engine did not know it."""
+
+
+class KVRecording(Protocol):
+    """A KV recorder (engine/kv_recorder.py) attached to an engine; engine thread only."""
+
+    def snapshot(self) -> Record:
+        """Hand the sink what is pending, then the whole picture as of the records handed."""
+
+    def close(self) -> None:
+        """Stop recording (what is pending is handed to the sink first)."""
+
+
+@runtime_checkable
+class KVViewSource(Protocol):
+    """What the server's KV view needs of an engine in this process. `record_kv` and
+    `kv_snapshot` are plain calls made on the engine's thread, inside `call`: there no
+    step runs, so a picture and the records handed to the sink around it are cut at one
+    moment (the view's feed numbers its records there too). `isinstance` tells an engine
+    that has them (by name, as runtime protocols check)."""
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine's thread between steps, after every command before it."""
+
+    def record_kv(self, sink: Sink, *, text: bool = False) -> KVRecording:
+        """Engine thread only: record the KV events from now on, handing `sink` a record
+        per step (`text`: each block's token text too)."""
+
+    def kv_snapshot(self, *, text: bool = False) -> Record:
+        """Engine thread only: the KV view's whole picture now (`text`: with token text)."""
+
+
+class LocalEngineClient(EngineClient, KVViewSource, Protocol):
+    """An engine client in this process: the KV view's source, with its backlog bound
+    (`max_waiting`: the waiting requests beyond what the engine can admit; None: no bound)
+    settable."""
+
+    max_waiting: int | None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.validation import check_int, is_int
 
 # The decoder layer's linear layers, in the order an adapter's tensors are packed.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -124,9 +125,7 @@ def read_peft_config(
     if not isinstance(cfg, dict):
         raise _refuse(path, f"{CONFIG_FILE} is not a JSON object")
     _check_options(cfg, path)
-    r = cfg.get("r")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise _refuse(path, f"r must be an integer >= 1, got {r!r}")
+    r = check_int(cfg.get("r"), "lora_path", min=1, subject=f"LoRA adapter {path}: r")
     if r > max_lora_rank:
         raise InvalidParameterError(
             "max_lora_rank",
@@ -139,9 +138,9 @@ def read_peft_config(
     pairs = _targets(cfg.get("target_modules"), num_layers, path)
     only = cfg.get("layers_to_transform")
     if only is not None:
-        layers = [only] if isinstance(only, int) else only
+        layers = [only] if is_int(only) else only
         if not isinstance(layers, list) or not all(
-            isinstance(i, int) and 0 <= i < num_layers for i in layers
+            is_int(i) and 0 <= i < num_layers for i in layers
         ):
             raise _refuse(
                 path, f"layers_to_transform must name layers 0..{num_layers - 1}, got {only!r}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.validation import check_int
 
 
 @dataclass(frozen=True)
@@ -22,11 +23,10 @@ class LoRARequest:
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise InvalidParameterError("lora_name", "lora_name must be a non-empty string")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int):
-            raise InvalidParameterError("lora_int_id", "lora_int_id must be an integer >= 1")
-        if self.lora_int_id < 1:
-            raise InvalidParameterError(
-                "lora_int_id", f"lora_int_id must be >= 1 (0 is the base), got {self.lora_int_id}"
-            )
+        lora_int_id = check_int(
+            self.lora_int_id, "lora_int_id", min=1, allowed="an integer >= 1 (0 is the base)"
+        )
+        # A plain int: the id keys the prefix cache's hashes and the adapter pages.
+        object.__setattr__(self, "lora_int_id", lora_int_id)
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise InvalidParameterError("lora_path", "lora_path must be a non-empty path")

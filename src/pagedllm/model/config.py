@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.model.families import hf_config_fields
+from pagedllm.validation import check_int
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -117,10 +118,13 @@ class ModelConfig:
                     f"({self.num_hidden_layers}), got {len(windows)}"
                 )
             for w in windows:
-                if w is not None and (not isinstance(w, int) or w < 1):
-                    raise ValueError(
-                        f"model config layer_windows entries must be None or a positive "
-                        f"number of tokens, got {w!r}"
+                if w is not None:
+                    check_int(
+                        w,
+                        "layer_windows",
+                        min=1,
+                        allowed="None or a positive number of tokens",
+                        subject="model config layer_windows entries",
                     )
 
     @property

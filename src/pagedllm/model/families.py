@@ -84,7 +84,8 @@ def _windows(model_type: str, cfg: dict[str, Any], n: int) -> tuple[int | None, 
     types = _layer_types(model_type, cfg, n, window)
     if window is None:
         return None
-    windows = tuple(int(window) if kind == SLIDING else None for kind in types)
+    # As given: ModelConfig checks it (int() would take `true` for a window of 1).
+    windows = tuple(window if kind == SLIDING else None for kind in types)
     return None if all(w is None for w in windows) else windows
 
 

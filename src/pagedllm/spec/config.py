@@ -32,21 +32,6 @@ DEFAULT_PROMPT_LOOKUP = 5
 # pays (one stream copying its input: TPOT 2.2x lower).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
-# The engine option (and CLI flag, with dashes) behind each field.
-OPTION_OF_FIELD = {
-    "method": "speculative_method",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "prompt_lookup_min": "prompt_lookup_min",
-    "prompt_lookup_max": "prompt_lookup_max",
-    "speculative_model": "speculative_model",
-    "speculative_quantization": "speculative_quantization",
-    "disable_by_batch_size": "speculative_disable_by_batch_size",
-}
-
-
-def _check_int(field: str, value: object, low: int, high: int | None = None) -> None:
-    check_int(value, OPTION_OF_FIELD[field], min=low, max=high)
-
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -68,9 +53,11 @@ class SpeculativeConfig:
                 "speculative_method",
                 f"speculative_method must be one of {', '.join(METHODS)}, got {self.method!r}",
             )
-        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
-        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
-        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        check_int(
+            self.num_speculative_tokens, "num_speculative_tokens", min=1, max=MAX_SPECULATIVE_TOKENS
+        )
+        check_int(self.prompt_lookup_min, "prompt_lookup_min", min=1)
+        check_int(self.prompt_lookup_max, "prompt_lookup_max", min=1)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidParameterError(
                 "prompt_lookup_min",
@@ -98,7 +85,7 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size is not None:
             # 1 would never speculate: a running batch always has a sequence.
-            _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
+            check_int(self.disable_by_batch_size, "speculative_disable_by_batch_size", min=2)
 
     def speculates_at(self, num_running: int) -> bool:
         """Whether a step with `num_running` running sequences proposes tokens."""

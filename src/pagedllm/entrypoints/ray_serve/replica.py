@@ -59,7 +59,7 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The prefix cache's block hashes and the load, for the router."""
-        snap = await self.engine.call(lambda: self.engine.engine.snapshot(cached_hashes=True))
+        snap = await self.engine.snapshot_now(cached_hashes=True)
         return {
             "cached": sorted(snap.cached_hashes or ()),
             "running": snap.num_running,

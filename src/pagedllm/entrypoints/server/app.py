@@ -22,12 +22,13 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import cast
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.engine_client import EngineClient
+from pagedllm.engine.engine_client import EngineClient, KVViewSource, LocalEngineClient
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.server.auth import ApiKey
 from pagedllm.entrypoints.server.body import BodyReader, RequestReader
@@ -118,7 +119,7 @@ def create_app(
     `lora_dir`. Both need an engine with `enable_lora` (ValueError otherwise)."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
-    in_process = engine if isinstance(engine, AsyncLLMEngine) else None
+    in_process = local_engine(engine)
     if in_process is None and (max_waiting is not None or kv_view):
         raise ValueError(
             "max_waiting and kv_view need an engine in this process: engine replicas "
@@ -183,6 +184,12 @@ def create_app(
     if enable_docs:
         app.include_router(docs_router(app, key))
     return app
+
+
+def local_engine(engine: EngineClient) -> LocalEngineClient | None:
+    """`engine` if it runs in this process (it has the KV view's methods: KVViewSource,
+    which the Ray replicas' RemoteEngine has not), else None."""
+    return cast(LocalEngineClient, engine) if isinstance(engine, KVViewSource) else None
 
 
 def check_lora_options(

@@ -8,7 +8,7 @@ ONE message: an `update` with the records it has not seen, or, when it fell behi
 ring dropped records it had not read, or they hold more than MAX_EVENTS_PER_MESSAGE
 events), a fresh `snapshot` instead: steps coalesce under load, and a slow reader costs
 the server one message in flight and the engine nothing. Snapshots are built on the
-engine thread between steps (`AsyncLLMEngine.call`), one at a time however many clients
+engine thread between steps (`KVViewSource.call`), one at a time however many clients
 ask, and the records after one continue it exactly.
 
 The recorder is attached only while a client listens: the first subscriber attaches it,
@@ -23,8 +23,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.kv_recorder import KVRecorder, Record
+from pagedllm.engine.engine_client import KVRecording, KVViewSource
+from pagedllm.engine.kv_recorder import Record
 
 HEARTBEAT_S = 15.0  # an SSE comment now and then keeps proxies from closing an idle stream
 # A stream ends after this long and the page opens a new one (a new token, a snapshot):
@@ -38,7 +38,7 @@ MAX_EVENTS_PER_MESSAGE = 5_000  # an update with more is a snapshot instead
 class KVFeed:
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: KVViewSource,
         *,
         text: bool = False,
         interval: float = 0.25,
@@ -55,7 +55,7 @@ class KVFeed:
         self._tail = 0  # oldest record kept
         self._head = 0  # next record's number
         self._held_events = 0
-        self._recorder: KVRecorder | None = None  # engine thread only
+        self._recorder: KVRecording | None = None  # engine thread only
         self._snapshot: asyncio.Future[tuple[Record, int]] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
 
@@ -73,12 +73,11 @@ class KVFeed:
 
     def _take_snapshot(self) -> tuple[Record, int]:
         """The picture now and the number of the first record after it (engine thread)."""
-        llm = self.engine.engine
         if self.subscribers > 0 and self._recorder is None:
-            self._recorder = llm.record_kv(self._publish, text=self.text)
+            self._recorder = self.engine.record_kv(self._publish, text=self.text)
         if self._recorder is not None:
             return self._recorder.snapshot(), self._head  # snapshot() publishes what is pending
-        return llm.kv_snapshot(text=self.text), self._head
+        return self.engine.kv_snapshot(text=self.text), self._head
 
     def _detach_if_unwatched(self) -> None:
         if self.subscribers == 0 and self._recorder is not None:
