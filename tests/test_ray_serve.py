@@ -274,7 +274,13 @@ def test_a_replica_killed_while_it_streams(ray_url: str) -> None:
         assert next(line for line in lines if line.startswith("data: "))  # it streams
         stats_pulled()
         # The same prompt: the router sends it to the replica holding its prefix.
-        whole = pool.submit(httpx.post, ray_url + "/v1/completions", json=body, headers=headers)
+        whole = pool.submit(
+            httpx.post,
+            ray_url + "/v1/completions",
+            json=body,
+            headers=headers,
+            timeout=timeout,  # not httpx's 5 s: finding the busy replica may take longer
+        )
         busy = wait_for(lambda: busy_replica(actors), 10, "the requests did not run on one replica")
         os.kill(pids[busy], signal.SIGKILL)
         events = [line[6:] for line in lines if line.startswith("data: ")]
