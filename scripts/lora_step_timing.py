@@ -12,40 +12,20 @@ the path rows under an adapter take.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from pagedllm.bench.lora_adapters import AdapterSpec, write_random_adapter
 from pagedllm.core.scheduler_output import AdapterLoad, ScheduledSeq, SchedulerOutput
-from pagedllm.lora.adapter import target_shapes
-from pagedllm.lora.peft_config import TARGETS, module_name
+from pagedllm.lora.peft_config import TARGETS
 from pagedllm.worker.factory import build_runner
 from pagedllm.worker.options import RunnerOptions
 
 BLOCK = 16
 TURN = 3  # consecutive decode steps of a scenario, the stacks built at the first
-
-
-def write_adapter(path: Path, cfg, r: int, targets: tuple[str, ...], seed: int) -> str:
-    """A random PEFT adapter directory for the base `cfg`."""
-    path.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(seed)
-    shapes = target_shapes(cfg)
-    tensors = {}
-    for layer in range(cfg.num_hidden_layers):
-        for t in targets:
-            n_in, n_out = shapes[t]
-            name = f"base_model.model.{module_name(layer, t)}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(r, n_in, generator=gen) * 0.02
-            tensors[f"{name}.lora_B.weight"] = torch.randn(n_out, r, generator=gen) * 0.02
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(targets)}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 def main() -> None:
@@ -77,7 +57,8 @@ def main() -> None:
         adapters = {}
         for i in range(n):
             lora_id = len(scenarios) * 100 + i + 1
-            path = write_adapter(root / f"{lora_id}", cfg, r, targets, lora_id)
+            spec = AdapterSpec(rank=r, targets=targets, alpha=2 * r)
+            path = write_random_adapter(cfg, str(root / f"{lora_id}"), spec, lora_id)
             pages = runner.adapter_pages(path, BLOCK)
             adapters[lora_id] = (path, tuple(range(next_page, next_page + pages)))
             next_page += pages

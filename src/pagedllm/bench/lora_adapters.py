@@ -20,7 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm.errors import InvalidParameterError
 from pagedllm.loader import LoadedModel
+from pagedllm.lora.adapter import target_shapes
+from pagedllm.lora.peft_config import module_name, read_peft_config
 from pagedllm.model.config import ModelConfig
+from pagedllm.worker.options import MAX_LORA_RANK
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_SETS = {"qv": ("q_proj", "v_proj"), "all": TARGETS}
@@ -38,8 +41,8 @@ class AdapterSpec:
     rslora: bool = False
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rank <= 512:
-            message = f"lora_rank must be in 1..512, got {self.rank}"
+        if not 1 <= self.rank <= MAX_LORA_RANK:
+            message = f"lora_rank must be in 1..{MAX_LORA_RANK}, got {self.rank}"
             raise InvalidParameterError("lora_rank", message)
         unknown = sorted(set(self.targets) - set(TARGETS))
         if not self.targets or unknown:
@@ -54,22 +57,6 @@ class AdapterSpec:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-def target_shapes(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """Each target module's parent (self_attn or mlp) and its weight's [out, in]."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_dim = config.num_attention_heads * config.head_dim
-    kv_dim = config.num_key_value_heads * config.head_dim
-    return {
-        "q_proj": ("self_attn", q_dim, hidden),
-        "k_proj": ("self_attn", kv_dim, hidden),
-        "v_proj": ("self_attn", kv_dim, hidden),
-        "o_proj": ("self_attn", hidden, q_dim),
-        "gate_proj": ("mlp", inter, hidden),
-        "up_proj": ("mlp", inter, hidden),
-        "down_proj": ("mlp", hidden, inter),
-    }
-
-
 def write_random_adapter(config: ModelConfig, path: str, spec: AdapterSpec, seed: int) -> str:
     """A random adapter of the base `config` in the folder `path`. Both A and B are random
     (a fresh PEFT adapter's B is zero, which would leave the output unchanged)."""
@@ -77,8 +64,8 @@ def write_random_adapter(config: ModelConfig, path: str, spec: AdapterSpec, seed
     shapes, tensors = target_shapes(config), {}
     for layer in range(config.num_hidden_layers):
         for target in spec.targets:
-            parent, out_dim, in_dim = shapes[target]
-            name = f"base_model.model.model.layers.{layer}.{parent}.{target}"
+            in_dim, out_dim = shapes[target]
+            name = f"base_model.model.{module_name(layer, target)}"
             a = torch.randn(spec.rank, in_dim, generator=gen) / math.sqrt(in_dim)
             tensors[f"{name}.lora_A.weight"] = a
             tensors[f"{name}.lora_B.weight"] = torch.randn(out_dim, spec.rank, generator=gen) * 0.02
@@ -123,10 +110,8 @@ def merge_adapter(loaded: LoadedModel, path: str) -> LoadedModel:
         raise InvalidParameterError(
             "quantization", "the merged baseline needs dequantized weights (quantization none)"
         )
-    with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
-        adapter = json.load(f)
-    rank = adapter["r"]
-    scale = adapter["lora_alpha"] / (math.sqrt(rank) if adapter.get("use_rslora") else rank)
+    config, _ = read_peft_config(path, loaded.config.num_hidden_layers, MAX_LORA_RANK)
+    scale = config.scaling
     weights = dict(loaded.weights)
     prefix = "base_model.model."
     tensors = load_file(os.path.join(path, WEIGHTS_FILE))
