@@ -11,9 +11,11 @@
 // and AVX-512 VNNI where mul_sum_us8_pairs_float uses `dpbusd`), so no include guard.
 // Derived from ggml v0.20.2's ggml_vec_dot_* (MIT license, notice in ggml_x86_quants.h).
 
-// Activation rows per pass: R rows' accumulators and the unpacked block fit in the 16
-// vector registers of AVX2.
-static constexpr int kRowsAtOnce = 4;
+// Activation rows per pass over a tile of weight rows. The 256-bit kernels below take them
+// 4 at a time (R rows' accumulators and the unpacked block fit in the 16 vector registers of
+// AVX2), each weight row while it is in L1; the VNNI build's Q4_K panel takes all 8 at once.
+static constexpr int kRowsAtOnce = 8;
+static constexpr int kRowsPerDot = 4;
 
 template <typename Block>
 struct ActivationRows {
@@ -310,12 +312,11 @@ struct RowsQ4_1 {
   }
 };
 
-// out[r * out_stride] = weight row . activation row r, for r < rows (1..kRowsAtOnce).
+// out[r * out_stride] = weight row . activation row r, for r < rows (1..kRowsPerDot).
 template <typename Kernel, typename Block>
-static void rows_dot(int n, const void* weight_row, const uint8_t* activations,
-                     int64_t activation_stride, int rows, float* out, int64_t out_stride) {
-  const ActivationRows<Block> ys{activations, activation_stride};
-  static_assert(kRowsAtOnce == 4, "one case per row count");
+static void rows_dot(int n, const void* weight_row, ActivationRows<Block> ys, int rows,
+                     float* out, int64_t out_stride) {
+  static_assert(kRowsPerDot == 4, "one case per row count");
   switch (rows) {
     case 4: return Kernel::template run<4>(n, weight_row, ys, out, out_stride);
     case 3: return Kernel::template run<3>(n, weight_row, ys, out, out_stride);
@@ -323,3 +324,140 @@ static void rows_dot(int n, const void* weight_row, const uint8_t* activations,
     default: return Kernel::template run<1>(n, weight_row, ys, out, out_stride);
   }
 }
+
+// A panel: `count` weight rows (row_bytes apart) times `rows` (1..kRowsAtOnce) activation
+// rows; out[r * out_stride + j] = weight row j . activation row r.
+template <typename Kernel, typename Block>
+static void rows_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                       const uint8_t* activations, int64_t activation_stride, int rows,
+                       float* out, int64_t out_stride) {
+  for (int64_t j = 0; j < count; ++j)
+    for (int r = 0; r < rows; r += kRowsPerDot) {
+      const ActivationRows<Block> ys{activations + r * activation_stride, activation_stride};
+      rows_dot<Kernel>(n, weights + j * row_bytes, ys, std::min(kRowsPerDot, rows - r),
+                       out + r * out_stride + j, out_stride);
+    }
+}
+
+#ifdef PAGEDLLM_GGML_VNNI
+// Q4_K in the VNNI build: a panel of weight rows times up to 8 activation rows with 512-bit
+// registers. What only the activations decide is made once per panel, not once per weight
+// row: each row's pair sums of bsums (as _mm_hadd_epi16 makes them for the minimums), 4 rows
+// to a register, and its scales. A register holds 64 values: a 32-byte chunk's low nibbles
+// (sub-block 2j) in its low half and its high nibbles (2j+1) in its high half, which is how
+// the activations lie; vpdpwssd adds the scaled pairs. Every int32 lane, once the halves
+// are folded, and every fp32 operation are RowsQ4K's, so the outputs are the same bits.
+template <int R>
+static void panel_q4k_rows(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                           ActivationRows<block_q8_K> ys, float* out, int64_t out_stride) {
+  constexpr int G = (R + 3) / 4;  // registers of minimums' pair sums, 4 rows each
+  const int nb = n / QK_K;
+  // Per block: G * 32 pair sums, G * 16 negated scales (each row's over its 4 lanes; rows
+  // past R zero), then R scales.
+  constexpr int kPerBlock = G * 32 * 2 + G * 16 * 4 + R * 4;
+  std::vector<uint8_t> made(static_cast<size_t>(nb) * kPerBlock);
+  for (int i = 0; i < nb; ++i) {
+    int16_t* sums = reinterpret_cast<int16_t*>(made.data() + static_cast<size_t>(i) * kPerBlock);
+    float* nd = reinterpret_cast<float*>(sums + G * 32);
+    float* d = nd + G * 16;
+    for (int r = 0; r < R; ++r) {
+      const block_q8_K& y = ys[r][i];
+      const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + 8 * r),
+                       _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
+                                      _mm256_extracti128_si256(q8sums, 1)));
+      for (int l = 0; l < 4; ++l) nd[4 * r + l] = -y.d;
+      d[r] = y.d;
+    }
+    for (int r = R; r < 4 * G; ++r) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + 8 * r), _mm_setzero_si128());
+      for (int l = 0; l < 4; ++l) nd[4 * r + l] = 0.f;
+    }
+  }
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  const __m512i nibble_shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+  uint32_t utmp[4];
+  for (int64_t j = 0; j < count; ++j) {
+    const block_q4_K* x = reinterpret_cast<const block_q4_K*>(weights + j * row_bytes);
+    __m256 acc[R];
+    __m512 acc_m[G];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) acc_m[g] = _mm512_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+      const float xd = fp16_to_fp32(x[i].d), xdmin = fp16_to_fp32(x[i].dmin);
+      unpack_scales_mins_k4(x[i].scales, utmp);
+      const __m256i mins_and_scales =
+          _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+      const __m512i mins = _mm512_broadcast_i32x4(_mm256_extracti128_si256(mins_and_scales, 1));
+      const __m512 dmin = _mm512_set1_ps(xdmin);
+      const int16_t* sums =
+          reinterpret_cast<const int16_t*>(made.data() + static_cast<size_t>(i) * kPerBlock);
+      const float* nd = reinterpret_cast<const float*>(sums + G * 32);
+      const float* di = nd + G * 16;
+      for (int g = 0; g < G; ++g) {
+        const __m512i prod = _mm512_madd_epi16(mins, _mm512_loadu_si512(sums + 32 * g));
+        acc_m[g] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(nd + 16 * g), dmin),
+                                   _mm512_cvtepi32_ps(prod), acc_m[g]);
+      }
+      const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+      const __m256i scales = _mm256_set_m128i(sc128, sc128);
+      __m512i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+      for (int c = 0; c < QK_K / 64; ++c) {
+        const __m512i scale = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c))),
+            _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 1)), 1);
+        const __m512i q4bits = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qs) + c));
+        const __m512i q4 = _mm512_and_si512(_mm512_srlv_epi64(q4bits, nibble_shift), m4);
+        for (int r = 0; r < R; ++r) {
+          const __m512i q8 = _mm512_loadu_si512(ys[r][i].qs + 64 * c);
+          sumi[r] = _mm512_dpwssd_epi32(sumi[r], scale, _mm512_maddubs_epi16(q4, q8));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]),
+                                           _mm512_extracti64x4_epi64(sumi[r], 1));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(di[r] * xd), _mm256_cvtepi32_ps(s), acc[r]);
+      }
+    }
+    alignas(64) float m_lanes[G * 16];
+    for (int g = 0; g < G; ++g) _mm512_store_ps(m_lanes + 16 * g, acc_m[g]);
+    for (int r = 0; r < R; ++r) {
+      const __m128 am = _mm_load_ps(m_lanes + 4 * r);
+      __m128 m = _mm_add_ps(am, _mm_movehl_ps(am, am));
+      m = _mm_add_ss(m, _mm_movehdup_ps(m));
+      out[r * out_stride + j] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
+    }
+  }
+}
+
+static void panel_q4k(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                      const uint8_t* activations, int64_t activation_stride, int rows,
+                      float* out, int64_t out_stride) {
+  const ActivationRows<block_q8_K> ys{activations, activation_stride};
+  static_assert(kRowsAtOnce == 8, "one case per row count");
+  switch (rows) {
+    case 8: return panel_q4k_rows<8>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 7: return panel_q4k_rows<7>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 6: return panel_q4k_rows<6>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 5: return panel_q4k_rows<5>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 4: return panel_q4k_rows<4>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 3: return panel_q4k_rows<3>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 2: return panel_q4k_rows<2>(n, weights, row_bytes, count, ys, out, out_stride);
+    default: return panel_q4k_rows<1>(n, weights, row_bytes, count, ys, out, out_stride);
+  }
+}
+#endif
+
+// The panel each kernel's type takes: rows_panel's loop, unless this build has its own.
+template <typename Kernel, typename Block>
+struct Panel {
+  static constexpr auto run = rows_panel<Kernel, Block>;
+};
+#ifdef PAGEDLLM_GGML_VNNI
+template <>
+struct Panel<RowsQ4K, block_q8_K> {
+  static constexpr auto run = panel_q4k;
+};
+#endif

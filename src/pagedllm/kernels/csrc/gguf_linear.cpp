@@ -55,9 +55,11 @@ namespace {
 
 using QuantizeRow = void (*)(const float* x, void* blocks, int64_t k);
 using BlockDot = float (*)(int n, const void* weight_row, const void* activation_row);
-// out[r * out_stride] = weight row . activation row r for r < rows (1..kRowsAtOnce).
-using RowsDot = void (*)(int n, const void* weight_row, const uint8_t* activations,
-                         int64_t activation_stride, int rows, float* out, int64_t out_stride);
+// out[r * out_stride + j] = weight row j . activation row r for j < count (rows row_bytes
+// apart), r < rows (1..kRowsAtOnce).
+using RowsPanel = void (*)(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                           const uint8_t* activations, int64_t activation_stride, int rows,
+                           float* out, int64_t out_stride);
 
 #ifndef PAGEDLLM_GGUF_GEMM_MIN_ROWS
 #error "PAGEDLLM_GGUF_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
@@ -72,7 +74,7 @@ constexpr int64_t kWeightTileBytes = 128 * 1024;
 struct BlockKernels {
   QuantizeRow quantize;  // nullptr: F16/BF16, the fp32 input is used as it is
   BlockDot dot;
-  RowsDot rows = nullptr;  // nullptr: no gemm method for the type
+  RowsPanel rows = nullptr;  // nullptr: no gemm method for the type
 };
 
 // One GGML type: its id in GGUF files, values and bytes per block, the bytes per block of
@@ -103,8 +105,8 @@ float dot_fp(int n, const void* weight_row, const void* activation_row) {
 }
 
 #define PAGEDLLM_GEMM_KERNELS(quantize, dot, rows, block)                          \
-  {gguf_avx2::quantize, gguf_avx2::dot, gguf_avx2::rows_dot<gguf_avx2::rows, block>}, { \
-    gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::rows_dot<gguf_vnni::rows, block>    \
+  {gguf_avx2::quantize, gguf_avx2::dot, gguf_avx2::Panel<gguf_avx2::rows, block>::run}, { \
+    gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::Panel<gguf_vnni::rows, block>::run    \
   }
 
 const GgufType kTypes[] = {
@@ -199,10 +201,9 @@ void multiply_tiles(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t
     const int64_t j1 = std::min(hi, j0 + tile);
     for (int64_t r = 0; r < rows; r += kRowsAtOnce) {
       const int group = static_cast<int>(std::min(kRowsAtOnce, rows - r));
-      const uint8_t* activations = p.activations + r * p.activation_row_bytes;
-      for (int64_t j = j0; j < j1; ++j)
-        p.kernels->rows(static_cast<int>(k), p.weight + (j - p.first_column) * p.row_bytes,
-                        activations, p.activation_row_bytes, group, out + r * total + j, total);
+      p.kernels->rows(static_cast<int>(k), p.weight + (j0 - p.first_column) * p.row_bytes,
+                      p.row_bytes, j1 - j0, p.activations + r * p.activation_row_bytes,
+                      p.activation_row_bytes, group, out + r * total + j0, total);
     }
   }
 }
