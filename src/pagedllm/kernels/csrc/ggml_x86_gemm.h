@@ -347,9 +347,10 @@ static void rows_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t
 // (sub-block 2j) in its low half and its high nibbles (2j+1) in its high half, which is how
 // the activations lie; vpdpwssd adds the scaled pairs. Every int32 lane, once the halves
 // are folded, and every fp32 operation are RowsQ4K's, so the outputs are the same bits.
+struct PanelQ4K {
 template <int R>
-static void panel_q4k_rows(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
-                           ActivationRows<block_q8_K> ys, float* out, int64_t out_stride) {
+static void run(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                ActivationRows<block_q8_K> ys, float* out, int64_t out_stride) {
   constexpr int G = (R + 3) / 4;  // registers of minimums' pair sums, 4 rows each
   const int nb = n / QK_K;
   // Per block: G * 32 pair sums, G * 16 negated scales (each row's over its 4 lanes; rows
@@ -432,20 +433,90 @@ static void panel_q4k_rows(int n, const uint8_t* weights, int64_t row_bytes, int
   }
 }
 
-static void panel_q4k(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
-                      const uint8_t* activations, int64_t activation_stride, int rows,
-                      float* out, int64_t out_stride) {
+};
+
+// Q6_K in the VNNI build, as PanelQ4K: a register holds two of RowsQ6K's 32-value chunks
+// (s = 0, 1 or 2, 3 of a 128-value half), each with its own scales and high bits, as the
+// activations lie.
+struct PanelQ6K {
+template <int R>
+static void run(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                ActivationRows<block_q8_K> ys, float* out, int64_t out_stride) {
+  const int nb = n / QK_K;
+  const __m512i m15 = _mm512_set1_epi8(15);
+  // Chunks 0 and 1 take the high bits 0-1 and 2-3 of qh, moved to bits 4-5; chunks 2 and 3
+  // take bits 4-5 (in place) and 6-7 (moved down 2).
+  const __m512i high_01 = _mm512_inserti64x4(_mm512_set1_epi8(3), _mm256_set1_epi8(12), 1);
+  const __m512i shift_01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i high_23 =
+      _mm512_inserti64x4(_mm512_set1_epi8(48), _mm256_set1_epi8(-64), 1);
+  const __m512i shift_23 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+  for (int64_t j = 0; j < count; ++j) {
+    const block_q6_K* x = reinterpret_cast<const block_q6_K*>(weights + j * row_bytes);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+      const float xd = fp16_to_fp32(x[i].d);
+      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[i].scales));
+      const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+      __m512i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
+      for (int h = 0; h < QK_K / 128; ++h) {
+        const __m512i ql = _mm512_loadu_si512(x[i].ql + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qh) + h));
+        const __m512i q6_01 = _mm512_or_si512(
+            _mm512_and_si512(ql, m15),
+            _mm512_sllv_epi16(_mm512_and_si512(qh, high_01), shift_01));
+        const __m512i q6_23 = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+            _mm512_srlv_epi16(_mm512_and_si512(qh, high_23), shift_23));
+        __m256i scale[4];
+        for (int c = 0; c < 4; ++c)
+          scale[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(4 * h + c)));
+        const __m512i scale_01 =
+            _mm512_inserti64x4(_mm512_castsi256_si512(scale[0]), scale[1], 1);
+        const __m512i scale_23 =
+            _mm512_inserti64x4(_mm512_castsi256_si512(scale[2]), scale[3], 1);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q8 = ys[r][i].qs + 128 * h;
+          sumi[r] = _mm512_dpwssd_epi32(
+              sumi[r], scale_01, _mm512_maddubs_epi16(q6_01, _mm512_loadu_si512(q8)));
+          sumi[r] = _mm512_dpwssd_epi32(
+              sumi[r], scale_23, _mm512_maddubs_epi16(q6_23, _mm512_loadu_si512(q8 + 64)));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const block_q8_K& y = ys[r][i];
+        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
+        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+        const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]),
+                                           _mm512_extracti64x4_epi64(sumi[r], 1));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y.d * xd),
+                                 _mm256_cvtepi32_ps(_mm256_sub_epi32(s, q8sclsub)), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride + j] = hsum_float_8(acc[r]);
+  }
+}
+};
+
+// A panel of `Panel` (PanelQ4K, PanelQ6K) for rows 1..kRowsAtOnce activation rows.
+template <typename Panel>
+static void panel_of(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                     const uint8_t* activations, int64_t activation_stride, int rows,
+                     float* out, int64_t out_stride) {
   const ActivationRows<block_q8_K> ys{activations, activation_stride};
   static_assert(kRowsAtOnce == 8, "one case per row count");
   switch (rows) {
-    case 8: return panel_q4k_rows<8>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 7: return panel_q4k_rows<7>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 6: return panel_q4k_rows<6>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 5: return panel_q4k_rows<5>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 4: return panel_q4k_rows<4>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 3: return panel_q4k_rows<3>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 2: return panel_q4k_rows<2>(n, weights, row_bytes, count, ys, out, out_stride);
-    default: return panel_q4k_rows<1>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 8: return Panel::template run<8>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 7: return Panel::template run<7>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 6: return Panel::template run<6>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 5: return Panel::template run<5>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 4: return Panel::template run<4>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 3: return Panel::template run<3>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 2: return Panel::template run<2>(n, weights, row_bytes, count, ys, out, out_stride);
+    default: return Panel::template run<1>(n, weights, row_bytes, count, ys, out, out_stride);
   }
 }
 #endif
@@ -458,6 +529,10 @@ struct Panel {
 #ifdef PAGEDLLM_GGML_VNNI
 template <>
 struct Panel<RowsQ4K, block_q8_K> {
-  static constexpr auto run = panel_q4k;
+  static constexpr auto run = panel_of<PanelQ4K>;
+};
+template <>
+struct Panel<RowsQ6K, block_q8_K> {
+  static constexpr auto run = panel_of<PanelQ6K>;
 };
 #endif
