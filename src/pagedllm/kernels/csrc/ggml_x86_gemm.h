@@ -339,102 +339,148 @@ static void rows_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t
     }
 }
 
-#ifdef PAGEDLLM_GGML_VNNI
-// Q4_K in the VNNI build: a panel of weight rows times up to 8 activation rows with 512-bit
-// registers. What only the activations decide is made once per panel, not once per weight
-// row: each row's pair sums of bsums (as _mm_hadd_epi16 makes them for the minimums), 4 rows
-// to a register, and its scales. A register holds 64 values: a 32-byte chunk's low nibbles
-// (sub-block 2j) in its low half and its high nibbles (2j+1) in its high half, which is how
-// the activations lie; vpdpwssd adds the scaled pairs. Every int32 lane, once the halves
-// are folded, and every fp32 operation are RowsQ4K's, so the outputs are the same bits.
-struct PanelQ4K {
+// Q4_K's integer sums of one block for R activation rows, as RowsQ4K's sumi lanes (each
+// sub-block's int32 pair sums times its scale). The VNNI build holds 64 values a register:
+// a 32-byte chunk's low nibbles (sub-block 2c) in its low half and its high nibbles (2c+1)
+// in its high half, which is how the activations lie, and vpdpwssd adds the scaled pairs;
+// folding the halves gives the same int32s.
 template <int R>
-static void run(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
-                ActivationRows<block_q8_K> ys, float* out, int64_t out_stride) {
-  constexpr int G = (R + 3) / 4;  // registers of minimums' pair sums, 4 rows each
-  const int nb = n / QK_K;
-  // Per block: G * 32 pair sums, G * 16 negated scales (each row's over its 4 lanes; rows
-  // past R zero), then R scales.
-  constexpr int kPerBlock = G * 32 * 2 + G * 16 * 4 + R * 4;
-  std::vector<uint8_t> made(static_cast<size_t>(nb) * kPerBlock);
-  for (int i = 0; i < nb; ++i) {
-    int16_t* sums = reinterpret_cast<int16_t*>(made.data() + static_cast<size_t>(i) * kPerBlock);
-    float* nd = reinterpret_cast<float*>(sums + G * 32);
-    float* d = nd + G * 16;
-    for (int r = 0; r < R; ++r) {
-      const block_q8_K& y = ys[r][i];
-      const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + 8 * r),
-                       _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
-                                      _mm256_extracti128_si256(q8sums, 1)));
-      for (int l = 0; l < 4; ++l) nd[4 * r + l] = -y.d;
-      d[r] = y.d;
-    }
-    for (int r = R; r < 4 * G; ++r) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + 8 * r), _mm_setzero_si128());
-      for (int l = 0; l < 4; ++l) nd[4 * r + l] = 0.f;
-    }
-  }
+static inline void q4k_block_sums(const block_q4_K& x, __m256i scales,
+                                  ActivationRows<block_q8_K> ys, int i, __m256i* sumi) {
+#ifdef PAGEDLLM_GGML_VNNI
   const __m512i m4 = _mm512_set1_epi8(0xF);
   const __m512i nibble_shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
-  uint32_t utmp[4];
-  for (int64_t j = 0; j < count; ++j) {
-    const block_q4_K* x = reinterpret_cast<const block_q4_K*>(weights + j * row_bytes);
-    __m256 acc[R];
-    __m512 acc_m[G];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int g = 0; g < G; ++g) acc_m[g] = _mm512_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-      const float xd = fp16_to_fp32(x[i].d), xdmin = fp16_to_fp32(x[i].dmin);
-      unpack_scales_mins_k4(x[i].scales, utmp);
-      const __m256i mins_and_scales =
-          _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-      const __m512i mins = _mm512_broadcast_i32x4(_mm256_extracti128_si256(mins_and_scales, 1));
-      const __m512 dmin = _mm512_set1_ps(xdmin);
-      const int16_t* sums =
-          reinterpret_cast<const int16_t*>(made.data() + static_cast<size_t>(i) * kPerBlock);
-      const float* nd = reinterpret_cast<const float*>(sums + G * 32);
-      const float* di = nd + G * 16;
-      for (int g = 0; g < G; ++g) {
-        const __m512i prod = _mm512_madd_epi16(mins, _mm512_loadu_si512(sums + 32 * g));
-        acc_m[g] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(nd + 16 * g), dmin),
-                                   _mm512_cvtepi32_ps(prod), acc_m[g]);
-      }
-      const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-      const __m256i scales = _mm256_set_m128i(sc128, sc128);
-      __m512i sumi[R];
-      for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-      for (int c = 0; c < QK_K / 64; ++c) {
-        const __m512i scale = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c))),
-            _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 1)), 1);
-        const __m512i q4bits = _mm512_broadcast_i64x4(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qs) + c));
-        const __m512i q4 = _mm512_and_si512(_mm512_srlv_epi64(q4bits, nibble_shift), m4);
-        for (int r = 0; r < R; ++r) {
-          const __m512i q8 = _mm512_loadu_si512(ys[r][i].qs + 64 * c);
-          sumi[r] = _mm512_dpwssd_epi32(sumi[r], scale, _mm512_maddubs_epi16(q4, q8));
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]),
-                                           _mm512_extracti64x4_epi64(sumi[r], 1));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(di[r] * xd), _mm256_cvtepi32_ps(s), acc[r]);
-      }
-    }
-    alignas(64) float m_lanes[G * 16];
-    for (int g = 0; g < G; ++g) _mm512_store_ps(m_lanes + 16 * g, acc_m[g]);
+  __m512i sumz[R];
+  for (int r = 0; r < R; ++r) sumz[r] = _mm512_setzero_si512();
+  for (int c = 0; c < QK_K / 64; ++c) {
+    const __m512i scale = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c))),
+        _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 1)), 1);
+    const __m512i q4bits =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs) + c));
+    const __m512i q4 = _mm512_and_si512(_mm512_srlv_epi64(q4bits, nibble_shift), m4);
     for (int r = 0; r < R; ++r) {
-      const __m128 am = _mm_load_ps(m_lanes + 4 * r);
-      __m128 m = _mm_add_ps(am, _mm_movehl_ps(am, am));
-      m = _mm_add_ss(m, _mm_movehdup_ps(m));
-      out[r * out_stride + j] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
+      const __m512i q8 = _mm512_loadu_si512(ys[r][i].qs + 64 * c);
+      sumz[r] = _mm512_dpwssd_epi32(sumz[r], scale, _mm512_maddubs_epi16(q4, q8));
     }
   }
+  for (int r = 0; r < R; ++r)
+    sumi[r] = _mm256_add_epi32(_mm512_castsi512_si256(sumz[r]),
+                               _mm512_extracti64x4_epi64(sumz[r], 1));
+#else
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+  for (int c = 0; c < QK_K / 64; ++c) {
+    const __m256i scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 0));
+    const __m256i scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 1));
+    const __m256i q4bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs) + c);
+    const __m256i q4l = _mm256_and_si256(q4bits, m4);
+    const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+    for (int r = 0; r < R; ++r) {
+      const __m256i* q8 = reinterpret_cast<const __m256i*>(ys[r][i].qs) + 2 * c;
+      const __m256i p16l =
+          _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, _mm256_loadu_si256(q8)));
+      const __m256i p16h =
+          _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, _mm256_loadu_si256(q8 + 1)));
+      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16l, p16h));
+    }
+  }
+#endif
 }
 
+// Q4_K, a panel of weight rows times up to 8 activation rows. What only the activations
+// decide is made once per panel instead of once per weight row: each row's pair sums of
+// bsums (as _mm_hadd_epi16 makes them for the minimums), two rows to a register, and its
+// scale. Every int32 lane and every fp32 operation are RowsQ4K's, so the outputs are the
+// same bits.
+struct PanelQ4K {
+  template <int R>
+  static void run(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                  ActivationRows<block_q8_K> ys, float* out, int64_t out_stride) {
+    constexpr int G = (R + 1) / 2;  // registers of the minimums' pair sums, 2 rows each
+    // Per block: G * 16 pair sums, G * 8 negated scales (each row's over its 4 lanes; a
+    // row past R zero), then R scales.
+    constexpr int kPerBlock = G * 16 * 2 + G * 8 * 4 + R * 4;
+    const int nb = n / QK_K;
+    std::vector<uint8_t> made(static_cast<size_t>(nb) * kPerBlock);
+    for (int i = 0; i < nb; ++i) {
+      int16_t* sums = reinterpret_cast<int16_t*>(made.data() + static_cast<size_t>(i) * kPerBlock);
+      float* nd = reinterpret_cast<float*>(sums + G * 16);
+      float* d = nd + G * 8;
+      for (int r = 0; r < 2 * G; ++r) {
+        const block_q8_K* y = r < R ? &ys[r][i] : nullptr;
+        const __m256i q8sums =
+            y ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y->bsums))
+              : _mm256_setzero_si256();
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + 8 * r),
+                         _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
+                                        _mm256_extracti128_si256(q8sums, 1)));
+        for (int l = 0; l < 4; ++l) nd[4 * r + l] = y ? -y->d : 0.f;
+        if (y) d[r] = y->d;
+      }
+    }
+    uint32_t utmp[4];
+    for (int64_t j = 0; j < count; ++j) {
+      const block_q4_K* x = reinterpret_cast<const block_q4_K*>(weights + j * row_bytes);
+      __m256 acc[R];
+      __m256 acc_m[G];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int g = 0; g < G; ++g) acc_m[g] = _mm256_setzero_ps();
+      for (int i = 0; i < nb; ++i) {
+        const float xd = fp16_to_fp32(x[i].d), xdmin = fp16_to_fp32(x[i].dmin);
+        unpack_scales_mins_k4(x[i].scales, utmp);
+        const __m256i mins_and_scales =
+            _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+        const __m256i mins = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(mins_and_scales, 1));
+        const __m256 dmin = _mm256_set1_ps(xdmin);
+        const int16_t* sums =
+            reinterpret_cast<const int16_t*>(made.data() + static_cast<size_t>(i) * kPerBlock);
+        const float* nd = reinterpret_cast<const float*>(sums + G * 16);
+        const float* di = nd + G * 8;
+        for (int g = 0; g < G; ++g) {
+          const __m256i prod = _mm256_madd_epi16(
+              mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums + 16 * g)));
+          acc_m[g] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(nd + 8 * g), dmin),
+                                     _mm256_cvtepi32_ps(prod), acc_m[g]);
+        }
+        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+        __m256i sumi[R];
+        q4k_block_sums<R>(x[i], _mm256_set_m128i(sc128, sc128), ys, i, sumi);
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(di[r] * xd), _mm256_cvtepi32_ps(sumi[r]),
+                                   acc[r]);
+      }
+      alignas(32) float m_lanes[G * 8];
+      for (int g = 0; g < G; ++g) _mm256_store_ps(m_lanes + 8 * g, acc_m[g]);
+      for (int r = 0; r < R; ++r) {
+        const __m128 am = _mm_load_ps(m_lanes + 4 * r);
+        __m128 m = _mm_add_ps(am, _mm_movehl_ps(am, am));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[r * out_stride + j] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
+      }
+    }
+  }
 };
 
+// A panel of `Panel` (PanelQ4K, PanelQ6K) for rows 1..kRowsAtOnce activation rows.
+template <typename Panel>
+static void panel_of(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                     const uint8_t* activations, int64_t activation_stride, int rows,
+                     float* out, int64_t out_stride) {
+  const ActivationRows<block_q8_K> ys{activations, activation_stride};
+  static_assert(kRowsAtOnce == 8, "one case per row count");
+  switch (rows) {
+    case 8: return Panel::template run<8>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 7: return Panel::template run<7>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 6: return Panel::template run<6>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 5: return Panel::template run<5>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 4: return Panel::template run<4>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 3: return Panel::template run<3>(n, weights, row_bytes, count, ys, out, out_stride);
+    case 2: return Panel::template run<2>(n, weights, row_bytes, count, ys, out, out_stride);
+    default: return Panel::template run<1>(n, weights, row_bytes, count, ys, out, out_stride);
+  }
+}
+#ifdef PAGEDLLM_GGML_VNNI
 // Q6_K in the VNNI build, as PanelQ4K: a register holds two of RowsQ6K's 32-value chunks
 // (s = 0, 1 or 2, 3 of a 128-value half), each with its own scales and high bits, as the
 // activations lie.
@@ -501,36 +547,18 @@ static void run(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
 }
 };
 
-// A panel of `Panel` (PanelQ4K, PanelQ6K) for rows 1..kRowsAtOnce activation rows.
-template <typename Panel>
-static void panel_of(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
-                     const uint8_t* activations, int64_t activation_stride, int rows,
-                     float* out, int64_t out_stride) {
-  const ActivationRows<block_q8_K> ys{activations, activation_stride};
-  static_assert(kRowsAtOnce == 8, "one case per row count");
-  switch (rows) {
-    case 8: return Panel::template run<8>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 7: return Panel::template run<7>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 6: return Panel::template run<6>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 5: return Panel::template run<5>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 4: return Panel::template run<4>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 3: return Panel::template run<3>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 2: return Panel::template run<2>(n, weights, row_bytes, count, ys, out, out_stride);
-    default: return Panel::template run<1>(n, weights, row_bytes, count, ys, out, out_stride);
-  }
-}
 #endif
 
-// The panel each kernel's type takes: rows_panel's loop, unless this build has its own.
+// The panel each kernel's type takes: rows_panel's loop, unless it has its own.
 template <typename Kernel, typename Block>
 struct Panel {
   static constexpr auto run = rows_panel<Kernel, Block>;
 };
-#ifdef PAGEDLLM_GGML_VNNI
 template <>
 struct Panel<RowsQ4K, block_q8_K> {
   static constexpr auto run = panel_of<PanelQ4K>;
 };
+#ifdef PAGEDLLM_GGML_VNNI
 template <>
 struct Panel<RowsQ6K, block_q8_K> {
   static constexpr auto run = panel_of<PanelQ6K>;
