@@ -325,18 +325,23 @@ static void rows_dot(int n, const void* weight_row, ActivationRows<Block> ys, in
   }
 }
 
-// A panel: `count` weight rows (row_bytes apart) times `rows` (1..kRowsAtOnce) activation
-// rows; out[r * out_stride + j] = weight row j . activation row r.
+// A panel: `count` weight rows (row_bytes apart) times `rows` activation rows;
+// out[r * out_stride + j] = weight row j . activation row r. Groups of kRowsAtOnce
+// activation rows pass over the weight rows in turn, each weight row used by a group's
+// rows while it is in L1.
 template <typename Kernel, typename Block>
 static void rows_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
                        const uint8_t* activations, int64_t activation_stride, int rows,
                        float* out, int64_t out_stride) {
-  for (int64_t j = 0; j < count; ++j)
-    for (int r = 0; r < rows; r += kRowsPerDot) {
-      const ActivationRows<Block> ys{activations + r * activation_stride, activation_stride};
-      rows_dot<Kernel>(n, weights + j * row_bytes, ys, std::min(kRowsPerDot, rows - r),
-                       out + r * out_stride + j, out_stride);
-    }
+  for (int g = 0; g < rows; g += kRowsAtOnce) {
+    const int group = std::min(kRowsAtOnce, rows - g);
+    for (int64_t j = 0; j < count; ++j)
+      for (int r = g; r < g + group; r += kRowsPerDot) {
+        const ActivationRows<Block> ys{activations + r * activation_stride, activation_stride};
+        rows_dot<Kernel>(n, weights + j * row_bytes, ys, std::min(kRowsPerDot, g + group - r),
+                         out + r * out_stride + j, out_stride);
+      }
+  }
 }
 
 // Q4_K's integer sums of one block for R activation rows, as RowsQ4K's sumi lanes (each
@@ -462,24 +467,28 @@ struct PanelQ4K {
   }
 };
 
-// A panel of `Panel` (PanelQ4K, PanelQ6K) for rows 1..kRowsAtOnce activation rows.
+// A panel of `Panel` (PanelQ4K, PanelQ6K): groups of up to kRowsAtOnce activation rows.
 template <typename Panel>
 static void panel_of(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
                      const uint8_t* activations, int64_t activation_stride, int rows,
                      float* out, int64_t out_stride) {
-  const ActivationRows<block_q8_K> ys{activations, activation_stride};
   static_assert(kRowsAtOnce == 8, "one case per row count");
-  switch (rows) {
-    case 8: return Panel::template run<8>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 7: return Panel::template run<7>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 6: return Panel::template run<6>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 5: return Panel::template run<5>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 4: return Panel::template run<4>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 3: return Panel::template run<3>(n, weights, row_bytes, count, ys, out, out_stride);
-    case 2: return Panel::template run<2>(n, weights, row_bytes, count, ys, out, out_stride);
-    default: return Panel::template run<1>(n, weights, row_bytes, count, ys, out, out_stride);
+  for (int g = 0; g < rows; g += kRowsAtOnce) {
+    const ActivationRows<block_q8_K> ys{activations + g * activation_stride, activation_stride};
+    float* o = out + g * out_stride;
+    switch (std::min(kRowsAtOnce, rows - g)) {
+      case 8: Panel::template run<8>(n, weights, row_bytes, count, ys, o, out_stride); break;
+      case 7: Panel::template run<7>(n, weights, row_bytes, count, ys, o, out_stride); break;
+      case 6: Panel::template run<6>(n, weights, row_bytes, count, ys, o, out_stride); break;
+      case 5: Panel::template run<5>(n, weights, row_bytes, count, ys, o, out_stride); break;
+      case 4: Panel::template run<4>(n, weights, row_bytes, count, ys, o, out_stride); break;
+      case 3: Panel::template run<3>(n, weights, row_bytes, count, ys, o, out_stride); break;
+      case 2: Panel::template run<2>(n, weights, row_bytes, count, ys, o, out_stride); break;
+      default: Panel::template run<1>(n, weights, row_bytes, count, ys, o, out_stride);
+    }
   }
 }
+
 #ifdef PAGEDLLM_GGML_VNNI
 // Q6_K in the VNNI build, as PanelQ4K: a register holds two of RowsQ6K's 32-value chunks
 // (s = 0, 1 or 2, 3 of a 128-value half), each with its own scales and high bits, as the
@@ -549,6 +558,244 @@ static void run(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
 
 #endif
 
+// Q4_1. A 32-value block leaves little integer work per float step, so the panel takes 16
+// weight rows (VNNI build; 8 in the AVX2 build) at once with their 4-value groups
+// interleaved: lane i of register t holds values 4t..4t+3 of row i, and one vpdpbusd (AVX2:
+// vpmaddubsw, the 16-bit sums added over the block, then one vpmaddwd) with an activation
+// group broadcast to every lane advances every row's dot product. Each block then costs
+// one float step for all the rows. The arithmetic, per output and block b in order (the
+// one-row dot does the same in scalar code, so both methods and both builds give the same
+// bits):
+//   S = sum of q_w * q_a (exact int32);  acc = fma(d_w * d_a, S, acc);
+//   acc = fma(m_w, d_a * sum_a, acc)     (d_a * sum_a is exact in fp32)
+static inline int32_t q4_1_block_sum(const block_q4_1& x, const block_q8_1& y) {
+  const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.qs));
+  const __m256i qx = bytes_from_nibbles_32(x.qs);
+#ifdef PAGEDLLM_GGML_VNNI
+  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qx, qy);
+#else
+  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), _mm256_set1_epi16(1));
+#endif
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+static float dot_q4_1(int n, const void* vx, const void* vy) {
+  const block_q4_1* x = static_cast<const block_q4_1*>(vx);
+  const block_q8_1* y = static_cast<const block_q8_1*>(vy);
+  float acc = 0.f;
+  for (int b = 0; b < n / QK4_1; ++b) {
+    const float da = fp16_to_fp32(y[b].d);
+    acc = fmaf(fp16_to_fp32(x[b].d) * da, static_cast<float>(q4_1_block_sum(x[b], y[b])), acc);
+    acc = fmaf(fp16_to_fp32(x[b].m), da * static_cast<float>(y[b].sum), acc);
+  }
+  return acc;
+}
+
+#ifdef PAGEDLLM_GGML_VNNI
+constexpr int kInterleavedRows = 16;
+
+// 16 rows of 8 dwords (z[p]: rows 2p and 2p+1) into 8 registers of 16 rows (t[d]: dword d
+// of every row), in three rounds of two-source permutes.
+static inline void transpose_16x8(const __m512i z[8], __m512i t[8]) {
+  alignas(64) int32_t idx[6][16];
+  for (int e = 0; e < 16; ++e) {
+    idx[0][e] = 8 * (e % 4) + e / 4;  // rows 4q..4q+3, dwords 0-3
+    idx[1][e] = idx[0][e] + 4;        // dwords 4-7
+    idx[2][e] = (e % 8 / 4) * 16 + 4 * (e / 8) + e % 4;  // rows 8o..8o+7, dwords 0-1 (of 4)
+    idx[3][e] = idx[2][e] + 8;                           // dwords 2-3
+    idx[4][e] = (e / 8) * 16 + e % 8;                    // rows 0-15, the first dword
+    idx[5][e] = idx[4][e] + 8;                           // the second
+  }
+  __m512i ix[6];
+  for (int k = 0; k < 6; ++k) ix[k] = _mm512_load_si512(idx[k]);
+  __m512i a[8], e[8];
+  for (int q = 0; q < 4; ++q) {  // a[2q]: rows 4q..4q+3 dwords 0-3, a[2q+1]: dwords 4-7
+    a[2 * q] = _mm512_permutex2var_epi32(z[2 * q], ix[0], z[2 * q + 1]);
+    a[2 * q + 1] = _mm512_permutex2var_epi32(z[2 * q], ix[1], z[2 * q + 1]);
+  }
+  for (int o = 0; o < 2; ++o)      // e[4o + m]: rows 8o..8o+7, dwords 2m and 2m+1
+    for (int h = 0; h < 2; ++h) {  // h: dwords 0-3 or 4-7
+      const __m512i lo = a[4 * o + h], hi = a[4 * o + 2 + h];
+      e[4 * o + 2 * h] = _mm512_permutex2var_epi32(lo, ix[2], hi);
+      e[4 * o + 2 * h + 1] = _mm512_permutex2var_epi32(lo, ix[3], hi);
+    }
+  for (int m = 0; m < 4; ++m) {
+    t[2 * m] = _mm512_permutex2var_epi32(e[m], ix[4], e[4 + m]);
+    t[2 * m + 1] = _mm512_permutex2var_epi32(e[m], ix[5], e[4 + m]);
+  }
+}
+
+// Block b of 16 weight rows (x[i]; a null row reads as zeros), interleaved into `tile`.
+static inline void interleave_q4_1(const block_q4_1* const* x, int b, int32_t* tile) {
+  static const block_q4_1 kZero = {};
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  const __m512i nibble_shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
+  const __m512i pairs = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+  __m512i z[8], t[8];
+  for (int p = 0; p < 8; ++p) {
+    const block_q4_1& lo = x[2 * p] ? x[2 * p][b] : kZero;
+    const block_q4_1& hi = x[2 * p + 1] ? x[2 * p + 1][b] : kZero;
+    const __m256i two = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo.qs))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi.qs)), 1);
+    // [lo's qs, lo's qs, hi's qs, hi's qs], then low nibbles and high nibbles of each
+    const __m512i q = _mm512_permutexvar_epi64(pairs, _mm512_castsi256_si512(two));
+    z[p] = _mm512_and_si512(_mm512_srlv_epi64(q, nibble_shift), m4);
+  }
+  transpose_16x8(z, t);
+  for (int d = 0; d < 8; ++d) _mm512_storeu_si512(tile + 16 * d, t[d]);
+}
+
+// R activation rows (their blocks ys[r], and per block ad[r] = d_a, as[r] = d_a * sum_a)
+// times the interleaved rows of `tile`; the first `here` outputs stored at out[r].
+template <int R>
+static inline void interleaved_rows_q4_1(int nb, const int32_t* tile, const float* dw,
+                                         const float* mw, const block_q8_1* const* ys,
+                                         const float* const* ad, const float* const* as,
+                                         float* const* out, int here) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    __m512i w[8];
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(tile + 128 * b + 16 * t);
+    __m512i s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = _mm512_setzero_si512(), s1[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; t += 2)
+      for (int r = 0; r < R; ++r) {
+        const int32_t* q = reinterpret_cast<const int32_t*>(ys[r][b].qs);
+        s0[r] = _mm512_dpbusd_epi32(s0[r], w[t], _mm512_set1_epi32(q[t]));
+        s1[r] = _mm512_dpbusd_epi32(s1[r], w[t + 1], _mm512_set1_epi32(q[t + 1]));
+      }
+    const __m512 d = _mm512_loadu_ps(dw + 16 * b), m = _mm512_loadu_ps(mw + 16 * b);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(ad[r][b])), s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(as[r][b]), acc[r]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << here) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r], mask, acc[r]);
+}
+#else
+constexpr int kInterleavedRows = 8;
+
+// Block b of 8 weight rows (x[i]; a null row reads as zeros), interleaved into `tile`: the
+// classic 8x8 transpose of dwords.
+static inline void interleave_q4_1(const block_q4_1* const* x, int b, int32_t* tile) {
+  static const block_q4_1 kZero = {};
+  __m256i r[8];
+  for (int i = 0; i < 8; ++i) r[i] = bytes_from_nibbles_32((x[i] ? x[i][b] : kZero).qs);
+  __m256i u[8], v[8];
+  for (int i = 0; i < 4; ++i) {
+    u[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    u[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < 2; ++h) {
+      v[4 * i + 2 * h] = _mm256_unpacklo_epi64(u[4 * i + h], u[4 * i + 2 + h]);
+      v[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(u[4 * i + h], u[4 * i + 2 + h]);
+    }
+  // v[4i + k] holds dwords k and k + 4 of rows 4i..4i+3 (one per 128-bit half)
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 8 * k),
+                        _mm256_permute2x128_si256(v[k], v[4 + k], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 8 * (k + 4)),
+                        _mm256_permute2x128_si256(v[k], v[4 + k], 0x31));
+  }
+}
+
+template <int R>
+static inline void interleaved_rows_q4_1(int nb, const int32_t* tile, const float* dw,
+                                         const float* mw, const block_q8_1* const* ys,
+                                         const float* const* ad, const float* const* as,
+                                         float* const* out, int here) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    const int32_t* wb = tile + 64 * b;
+    __m256i p[R];  // 16-bit pair sums over the block: 8 x 2 x 15 x 128 fits
+    for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 8 * t));
+      for (int r = 0; r < R; ++r) {
+        const int32_t* q = reinterpret_cast<const int32_t*>(ys[r][b].qs);
+        p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(q[t])));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(dw + 8 * b), m = _mm256_loadu_ps(mw + 8 * b);
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[r], ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ad[r][b])), s, acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(as[r][b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc[r]);
+    for (int i = 0; i < here; ++i) out[r][i] = o[i];
+  }
+}
+#endif
+
+static void panel_q4_1(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                       const uint8_t* activations, int64_t activation_stride, int rows,
+                       float* out, int64_t out_stride) {
+  constexpr int W = kInterleavedRows;
+  const int nb = n / QK4_1;
+  // Each activation row's d_a and d_a * sum_a per block, made once for the whole panel.
+  std::vector<float> scales(static_cast<size_t>(rows) * nb * 2);
+  for (int r = 0; r < rows; ++r) {
+    const block_q8_1* y = reinterpret_cast<const block_q8_1*>(activations + r * activation_stride);
+    float* ad = scales.data() + static_cast<size_t>(r) * nb * 2;
+    for (int b = 0; b < nb; ++b) {
+      ad[b] = fp16_to_fp32(y[b].d);
+      ad[nb + b] = ad[b] * static_cast<float>(y[b].sum);
+    }
+  }
+  std::vector<int32_t> tile(static_cast<size_t>(nb) * 8 * W);
+  std::vector<float> dw(static_cast<size_t>(nb) * W), mw(static_cast<size_t>(nb) * W);
+  for (int64_t p0 = 0; p0 < count; p0 += W) {
+    const int here = static_cast<int>(std::min<int64_t>(W, count - p0));
+    const block_q4_1* x[W];
+    for (int i = 0; i < W; ++i)
+      x[i] = i < here ? reinterpret_cast<const block_q4_1*>(weights + (p0 + i) * row_bytes)
+                      : nullptr;
+    for (int b = 0; b < nb; ++b) {
+      interleave_q4_1(x, b, tile.data() + static_cast<size_t>(b) * 8 * W);
+      for (int i = 0; i < W; ++i) {
+        dw[W * b + i] = x[i] ? fp16_to_fp32(x[i][b].d) : 0.f;
+        mw[W * b + i] = x[i] ? fp16_to_fp32(x[i][b].m) : 0.f;
+      }
+    }
+    constexpr int kRows = 4;
+    for (int r0 = 0; r0 < rows; r0 += kRows) {
+      const int group = std::min(kRows, rows - r0);
+      const block_q8_1* ys[kRows];
+      const float* ad[kRows];
+      const float* as[kRows];
+      float* o[kRows];
+      for (int r = 0; r < group; ++r) {
+        ys[r] = reinterpret_cast<const block_q8_1*>(activations + (r0 + r) * activation_stride);
+        ad[r] = scales.data() + static_cast<size_t>(r0 + r) * nb * 2;
+        as[r] = ad[r] + nb;
+        o[r] = out + (r0 + r) * out_stride + p0;
+      }
+      const float* w_d = dw.data();
+      const float* w_m = mw.data();
+      switch (group) {
+        case 4: interleaved_rows_q4_1<4>(nb, tile.data(), w_d, w_m, ys, ad, as, o, here); break;
+        case 3: interleaved_rows_q4_1<3>(nb, tile.data(), w_d, w_m, ys, ad, as, o, here); break;
+        case 2: interleaved_rows_q4_1<2>(nb, tile.data(), w_d, w_m, ys, ad, as, o, here); break;
+        default: interleaved_rows_q4_1<1>(nb, tile.data(), w_d, w_m, ys, ad, as, o, here);
+      }
+    }
+  }
+}
+
 // The panel each kernel's type takes: rows_panel's loop, unless it has its own.
 template <typename Kernel, typename Block>
 struct Panel {
@@ -557,6 +804,10 @@ struct Panel {
 template <>
 struct Panel<RowsQ4K, block_q8_K> {
   static constexpr auto run = panel_of<PanelQ4K>;
+};
+template <>
+struct Panel<RowsQ4_1, block_q8_1> {
+  static constexpr auto run = panel_q4_1;
 };
 #ifdef PAGEDLLM_GGML_VNNI
 template <>

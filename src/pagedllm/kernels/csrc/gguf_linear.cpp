@@ -56,7 +56,7 @@ namespace {
 using QuantizeRow = void (*)(const float* x, void* blocks, int64_t k);
 using BlockDot = float (*)(int n, const void* weight_row, const void* activation_row);
 // out[r * out_stride + j] = weight row j . activation row r for j < count (rows row_bytes
-// apart), r < rows (1..kRowsAtOnce).
+// apart), r < rows.
 using RowsPanel = void (*)(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
                            const uint8_t* activations, int64_t activation_stride, int rows,
                            float* out, int64_t out_stride);
@@ -65,8 +65,6 @@ using RowsPanel = void (*)(int n, const uint8_t* weights, int64_t row_bytes, int
 #error "PAGEDLLM_GGUF_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
 constexpr int64_t kGemmMinRows = PAGEDLLM_GGUF_GEMM_MIN_ROWS;
-static_assert(gguf_avx2::kRowsAtOnce == gguf_vnni::kRowsAtOnce, "one tiling for both builds");
-constexpr int64_t kRowsAtOnce = gguf_avx2::kRowsAtOnce;
 // Bytes of weight rows one tile of the gemm method holds: read from memory once, then from
 // the L2 cache by every group of input rows.
 constexpr int64_t kWeightTileBytes = 128 * 1024;
@@ -115,7 +113,7 @@ const GgufType kTypes[] = {
     {2, "Q4_0", 32, 18, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0, RowsQ4_0, ggml::block_q8_0)},
     {3, "Q4_1", 32, 20, 36,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_1, vec_dot_q4_1_q8_1, RowsQ4_1, ggml::block_q8_1)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_1, dot_q4_1, RowsQ4_1, ggml::block_q8_1)},
     {6, "Q5_0", 32, 22, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0, RowsQ5_0, ggml::block_q8_0)},
     {8, "Q8_0", 32, 34, 34,
@@ -192,19 +190,16 @@ struct Part {
   int64_t activation_row_bytes;
 };
 
-// Output features [lo, hi) of part p, kRowsAtOnce input rows at a time: each tile of weight
-// rows is multiplied with every group of input rows while it stays in cache.
+// Output features [lo, hi) of part p: each tile of weight rows is multiplied with every
+// input row while it stays in cache (the panel takes the input rows in groups).
 void multiply_tiles(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t k,
                     int64_t total, float* out) {
   const int64_t tile = std::max<int64_t>(1, kWeightTileBytes / p.row_bytes);
   for (int64_t j0 = lo; j0 < hi; j0 += tile) {
     const int64_t j1 = std::min(hi, j0 + tile);
-    for (int64_t r = 0; r < rows; r += kRowsAtOnce) {
-      const int group = static_cast<int>(std::min(kRowsAtOnce, rows - r));
-      p.kernels->rows(static_cast<int>(k), p.weight + (j0 - p.first_column) * p.row_bytes,
-                      p.row_bytes, j1 - j0, p.activations + r * p.activation_row_bytes,
-                      p.activation_row_bytes, group, out + r * total + j0, total);
-    }
+    p.kernels->rows(static_cast<int>(k), p.weight + (j0 - p.first_column) * p.row_bytes,
+                    p.row_bytes, j1 - j0, p.activations, p.activation_row_bytes,
+                    static_cast<int>(rows), out + j0, total);
   }
 }
 
