@@ -25,7 +25,12 @@ import torch
 
 from pagedllm.cache_root import cache_root
 from pagedllm.errors import KernelUnavailableError
-from pagedllm.kernels.policy import GEMV_MAX_ROWS, GGUF_GEMM_MIN_ROWS, PANEL_GEMV_MAX_ROWS
+from pagedllm.kernels.policy import (
+    GEMV_MAX_ROWS,
+    GGUF_GEMM_MIN_ROWS,
+    GGUF_INTERLEAVED_MIN_ROWS,
+    PANEL_GEMV_MAX_ROWS,
+)
 
 logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
@@ -40,6 +45,7 @@ FLAGS = [
     f"-DPAGEDLLM_GEMV_MAX_ROWS={GEMV_MAX_ROWS}",
     f"-DPAGEDLLM_PANEL_GEMV_MAX_ROWS={PANEL_GEMV_MAX_ROWS}",
     f"-DPAGEDLLM_GGUF_GEMM_MIN_ROWS={GGUF_GEMM_MIN_ROWS}",
+    f"-DPAGEDLLM_GGUF_INTERLEAVED_MIN_ROWS={GGUF_INTERLEAVED_MIN_ROWS}",
 ]
 NAME = "pagedllm_cpu_ops"
 _lock = threading.Lock()

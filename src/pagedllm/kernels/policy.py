@@ -39,6 +39,11 @@ PANEL_GEMV_MAX_ROWS = 2
 # measured faster from 2 rows on, the same at 1 (docs/kernels.md has the figures).
 GGUF_GEMM_MIN_ROWS = 2
 
+# Q4_1's gemm method interleaves 16 weight rows (8 on AVX2) and applies each block's scales
+# once for all of them; it took less time than the one-row dot from one input row on, on
+# most layer shapes (docs/kernels.md has the figures), so it takes every Q4_1 product.
+GGUF_INTERLEAVED_MIN_ROWS = 1
+
 
 def decode_splits(work_items: int, workers: int, context_len: int) -> int:
     """Into how many parts a decode row of `context_len` keys is cut when a step has

@@ -65,6 +65,10 @@ using RowsPanel = void (*)(int n, const uint8_t* weights, int64_t row_bytes, int
 #error "PAGEDLLM_GGUF_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
 constexpr int64_t kGemmMinRows = PAGEDLLM_GGUF_GEMM_MIN_ROWS;
+#ifndef PAGEDLLM_GGUF_INTERLEAVED_MIN_ROWS
+#error "PAGEDLLM_GGUF_INTERLEAVED_MIN_ROWS must be defined by the build (kernels/policy.py)"
+#endif
+constexpr int64_t kInterleavedGemmMinRows = PAGEDLLM_GGUF_INTERLEAVED_MIN_ROWS;
 // Bytes of weight rows one tile of the gemm method holds: read from memory once, then from
 // the L2 cache by every group of input rows.
 constexpr int64_t kWeightTileBytes = 128 * 1024;
@@ -73,6 +77,7 @@ struct BlockKernels {
   QuantizeRow quantize;  // nullptr: F16/BF16, the fp32 input is used as it is
   BlockDot dot;
   RowsPanel rows = nullptr;  // nullptr: no gemm method for the type
+  int64_t gemm_min_rows = kGemmMinRows;  // the input rows from which "auto" takes it
 };
 
 // One GGML type: its id in GGUF files, values and bytes per block, the bytes per block of
@@ -102,28 +107,32 @@ float dot_fp(int n, const void* weight_row, const void* activation_row) {
   return sum;
 }
 
-#define PAGEDLLM_GEMM_KERNELS(quantize, dot, rows, block)                          \
-  {gguf_avx2::quantize, gguf_avx2::dot, gguf_avx2::Panel<gguf_avx2::rows, block>::run}, { \
-    gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::Panel<gguf_vnni::rows, block>::run    \
+#define PAGEDLLM_GEMM_KERNELS(quantize, dot, rows, block, min_rows)                          \
+  {gguf_avx2::quantize, gguf_avx2::dot, gguf_avx2::Panel<gguf_avx2::rows, block>::run,       \
+   min_rows},                                                                                 \
+  {                                                                                           \
+    gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::Panel<gguf_vnni::rows, block>::run,       \
+        min_rows                                                                              \
   }
 
 const GgufType kTypes[] = {
     {1, "F16", 1, 2, 4, {nullptr, dot_fp<c10::Half>}, {nullptr, dot_fp<c10::Half>}},
     {30, "BF16", 1, 2, 4, {nullptr, dot_fp<c10::BFloat16>}, {nullptr, dot_fp<c10::BFloat16>}},
     {2, "Q4_0", 32, 18, 34,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0, RowsQ4_0, ggml::block_q8_0)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0, RowsQ4_0, ggml::block_q8_0, kGemmMinRows)},
     {3, "Q4_1", 32, 20, 36,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_1, dot_q4_1, RowsQ4_1, ggml::block_q8_1)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_1, dot_q4_1, RowsQ4_1, ggml::block_q8_1,
+                           kInterleavedGemmMinRows)},
     {6, "Q5_0", 32, 22, 34,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0, RowsQ5_0, ggml::block_q8_0)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0, RowsQ5_0, ggml::block_q8_0, kGemmMinRows)},
     {8, "Q8_0", 32, 34, 34,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q8_0_q8_0, RowsQ8_0, ggml::block_q8_0)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q8_0_q8_0, RowsQ8_0, ggml::block_q8_0, kGemmMinRows)},
     {12, "Q4_K", 256, 144, 292,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q4_K_q8_K, RowsQ4K, ggml::block_q8_K)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q4_K_q8_K, RowsQ4K, ggml::block_q8_K, kGemmMinRows)},
     {13, "Q5_K", 256, 176, 292,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K, RowsQ5K, ggml::block_q8_K)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K, RowsQ5K, ggml::block_q8_K, kGemmMinRows)},
     {14, "Q6_K", 256, 210, 292,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q6_K_q8_K, RowsQ6K, ggml::block_q8_K)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q6_K_q8_K, RowsQ6K, ggml::block_q8_K, kGemmMinRows)},
 };
 #undef PAGEDLLM_GEMM_KERNELS
 
@@ -146,12 +155,19 @@ std::string gguf_kernel(const std::string& kernel) {
 
 namespace {
 
-// Whether `rows` input rows take the gemm method: "gemv" (one input row at a time), "gemm"
-// (where the type has it) or "auto" (gemm from kGemmMinRows rows on).
-bool use_gemm(const std::string& method, int64_t rows) {
+enum class Method { kAuto, kGemv, kGemm };
+
+Method checked_method(const std::string& method) {
   TORCH_CHECK_VALUE(method == "auto" || method == "gemv" || method == "gemm",
                     "method must be 'auto', 'gemv' or 'gemm', not '", method, "'");
-  return method == "gemm" || (method == "auto" && rows >= kGemmMinRows);
+  return method == "auto" ? Method::kAuto : method == "gemv" ? Method::kGemv : Method::kGemm;
+}
+
+// Whether `rows` input rows take a type's gemm method under `method`: "gemv" (one input row
+// at a time), "gemm" (where the type has it) or "auto" (from the type's gemm_min_rows on).
+bool use_gemm(const BlockKernels& kernels, Method method, int64_t rows) {
+  return kernels.rows != nullptr &&
+         (method == Method::kGemm || (method == Method::kAuto && rows >= kernels.gemm_min_rows));
 }
 
 const BlockKernels& kernels_for(const GgufType& type, const std::string& kernel) {
@@ -205,10 +221,10 @@ void multiply_tiles(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t
 
 // x [rows, k] @ the parts' rows^T, stacked, into out [rows, sum of the parts' rows]: the
 // activations are quantized once per kind of block, and the output features of all parts
-// are split over the threads in one parallel region; `gemm`: the parts whose type has the
-// gemm method take it.
+// are split over the threads in one parallel region; each part takes its type's gemm
+// method where `method` says so (use_gemm).
 void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& parts,
-                    float* out, bool gemm) {
+                    float* out, Method method) {
   std::vector<std::pair<QuantizeRow, std::vector<uint8_t>>> quantized;
   int64_t total = 0, widest_row = 1;
   for (Part& p : parts) {
@@ -233,7 +249,7 @@ void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& 
     for (const Part& p : parts) {
       const int64_t lo = std::max(begin, p.first_column);
       const int64_t hi = std::min(end, p.first_column + p.rows);
-      if (gemm && p.kernels->rows != nullptr) {
+      if (use_gemm(*p.kernels, method, rows)) {
         multiply_tiles(p, lo, hi, rows, k, total, out);
         continue;
       }
@@ -282,10 +298,10 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
     total += weights[i].size(0);
   }
   const int64_t rows = xc.size(0);
-  const bool gemm = use_gemm(method, rows);
+  const Method m = checked_method(method);
   at::Tensor out = at::empty({rows, total}, xc.options());
   if (rows > 0 && total > 0)
-    multiply_parts(xc.data_ptr<float>(), rows, xc.size(1), parts, out.data_ptr<float>(), gemm);
+    multiply_parts(xc.data_ptr<float>(), rows, xc.size(1), parts, out.data_ptr<float>(), m);
   return out;
 }
 
@@ -299,10 +315,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t gg
   const int64_t k = input_width(xc, type);
   std::vector<Part> parts{weight_part(weight, type, kernel, k, out_features, 0)};
   const int64_t rows = xc.size(0);
-  const bool gemm = use_gemm(method, rows);
+  const Method m = checked_method(method);
   at::Tensor out = at::empty({rows, out_features}, xc.options());
   if (rows > 0 && out_features > 0)
-    multiply_parts(xc.data_ptr<float>(), rows, k, parts, out.data_ptr<float>(), gemm);
+    multiply_parts(xc.data_ptr<float>(), rows, k, parts, out.data_ptr<float>(), m);
   return out;
 }
 
