@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from pagedllm.core.scheduler_output import SchedulerOutput, TableEdit
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.worker.row_slots import RowSlots
 
 
@@ -100,24 +100,29 @@ class BatchTables:
                     self.store.clear(g, row, lengths[row])
                     lengths[row] = 0
                 elif edit is not None:
-                    self._edit(g, row, edit)
+                    self._edit(g, row, edit.keep, edit.null_start, edit.null_stop, edit.null_block)
                 self.store.write(g, row, lengths[row], block_ids)
                 lengths[row] += len(block_ids)
             rows.append(row)
         return rows
 
-    def _edit(self, group: int, row: int, edit: TableEdit) -> None:
-        """Shorten the row to `edit.keep` entries (zeros past them, as past every table)
-        and null its entries `null_start:null_stop`: no more than what changed is written."""
+    def _edit(
+        self, group: int, row: int, keep: int, null_start: int, null_stop: int, null_block: int
+    ) -> None:
+        """A TableEdit: shorten the row to `keep` entries (zeros past them, as past every
+        table) and null its entries `null_start:null_stop`; only what changed is written."""
         length = self.lengths[group][row]
-        if not 0 <= edit.keep <= length or not 0 <= edit.null_start <= edit.null_stop:
-            raise RuntimeError(f"table edit {edit} does not fit a table of {length} entries")
-        if edit.keep < length:
-            self.store.write(group, row, edit.keep, [0] * (length - edit.keep))
-            self.lengths[group][row] = edit.keep
-        start, stop = edit.null_start, min(edit.null_stop, edit.keep)
-        if start < stop:
-            self.store.write(group, row, start, [edit.null_block] * (stop - start))
+        if not 0 <= keep <= length or not 0 <= null_start <= null_stop:
+            raise RuntimeError(
+                f"a table edit (keep {keep}, null {null_start}:{null_stop}) does not fit a "
+                f"table of {length} entries"
+            )
+        if keep < length:
+            self.store.write(group, row, keep, [0] * (length - keep))
+            self.lengths[group][row] = keep
+        stop = min(null_stop, keep)
+        if null_start < stop:
+            self.store.write(group, row, null_start, [null_block] * (stop - null_start))
 
     def drop(self, seq_id: int) -> None:
         """Free the sequence's row (nothing when it has none)."""
