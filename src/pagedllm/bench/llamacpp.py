@@ -319,8 +319,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.rounds} rounds per model, llama.cpp then pagedllm; each system's figures are "
         "those of its median round (peak RSS: the highest); pagedllm / llama.cpp is the "
         "median of the rounds' ratios (JSON: round_ratios)",
-        f"one stream, {args.threads} threads each; ms/token: llama.cpp's `llama-bench -p 0 "
-        f"-n {args.steps}` tg (mean of its repetitions, from an empty context); pagedllm's "
+        f"one stream, {args.threads} threads each; ms/token: llama.cpp's tg{args.steps} test "
+        f"of `llama-bench -p {args.prompt_tokens} -n {args.steps}` (mean of its repetitions, "
+        "from an empty context); pagedllm's "
         f"median decode step at batch 1 over {args.steps} steps after a {PROMPT_LEN}-token "
         "prompt "
         "(`bench decode`'s timing: scheduling, sampling and output processing included)",
@@ -346,8 +347,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.prompt_tokens:
         notes.append(
             f"prompt tok/s: {args.prompt_tokens} tokens / the time to process a prompt of "
-            f"that many tokens in one batch: llama.cpp's `llama-bench -p {args.prompt_tokens}` "
-            f"pp test (mean of its repetitions); pagedllm's median of {PROMPT_REPETITIONS} "
+            f"that many tokens in one batch: llama.cpp's pp{args.prompt_tokens} test (the "
+            f"mean of its repetitions' times); pagedllm's median of {PROMPT_REPETITIONS} "
             "engine steps, each a fresh request of new random token ids (no prefix-cache "
             "hit) after a warm-up one, the token budget raised so that the whole prompt is "
             "one step (scheduling, the forward pass and sampling the first token); "
