@@ -303,7 +303,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 builds.add(bench.get("build"))
             ours.append(
                 probe_pagedllm(
-                    path, args.steps, args.threads, args.kv_cache_memory, args.prompt_tokens
+                    path,
+                    args.steps,
+                    args.threads,
+                    args.kv_cache_memory,
+                    args.prompt_tokens,
+                    TIMEOUT_S,  # six N-token prompts on the 7B shape take minutes
                 )
             )
         row = row_of(name, path, median_round(ours), median_round(theirs or [{}]), read_rate)
