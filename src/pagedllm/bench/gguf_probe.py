@@ -18,9 +18,12 @@ import json
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.bench.measured_process import run_measured
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
 
 PROMPT_LEN = 16
 PROMPT_REPETITIONS = 5  # as llama-bench's default -r, after one warm-up prompt
@@ -98,7 +101,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
-def prompt_figures(engine: Any, vocab_size: int, length: int) -> dict[str, Any]:
+def prompt_figures(engine: LLMEngine, vocab_size: int, length: int) -> dict[str, Any]:
     """The median seconds of the engine step that processes a `length`-token prompt whole
     and samples its first token, over PROMPT_REPETITIONS fresh requests after a warm-up.
     Each prompt is new random ids, so the prefix cache has none of it."""
