@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pagedllm.bench import llamacpp
-from pagedllm.bench.gguf_probe import probe_pagedllm
+from pagedllm.bench.gguf_probe import PROMPT_REPETITIONS, probe_pagedllm
 from pagedllm.bench.random_gguf import ModelShape, write_random_gguf
 from pagedllm.entrypoints.cli import main
 from pagedllm.loader import ModelLoadError, default_model_path, load_model
@@ -110,19 +110,57 @@ def tiny_weight_bytes(shape: ModelShape) -> int:
 def test_pagedllm_probe_figures(tokenizer_source: str, tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     write_random_gguf(str(path), TINY_LLAMA, 0, tokenizer_source)
-    got = probe_pagedllm(str(path), steps=4, threads=1, kv_cache_memory="8MiB")
-    assert "error" not in got, got
+    got = probe_pagedllm(str(path), steps=4, threads=1, kv_cache_memory="8MiB", prompt_tokens=40)
+    assert "error" not in got and "prompt_error" not in got, got
     assert 0 < got["engine_s"] <= got["ready_s"] <= got["process_ready_s"]
     assert got["ms_per_token"] > 0 and got["threads"] == 1
     assert 0.5 * 2**23 < got["kv_pool_bytes"] <= 2**23
     assert got["weight_bytes_per_step"] == tiny_weight_bytes(TINY_LLAMA)
     assert 50e6 < got["peak_rss_bytes"] < FAKE_LLAMA_BENCH_BYTES
     assert got["gguf_kernel"] in ("avx2", "vnni")
+    # the prompt: the median of its repetitions (one engine step each), as tokens per second
+    assert got["prompt_tokens"] == 40
+    assert len(got["prompt_repetitions_ms"]) == PROMPT_REPETITIONS
+    median = sorted(got["prompt_repetitions_ms"])[PROMPT_REPETITIONS // 2]
+    assert got["prompt_ms"] == pytest.approx(median, abs=0.01)
+    assert got["prompt_tok_s"] == pytest.approx(40_000 / got["prompt_ms"], rel=1e-3)
+
+
+def test_probe_says_when_the_prompt_does_not_fit(tmp_path: Path) -> None:
+    """A prompt longer than the model's context: the decode figures, and why no prompt's."""
+    shape = ModelShape("small", "llama", 64, 128, 2, 4, 2, 256, 1e4)
+    path = tmp_path / "small.gguf"
+    write_vocabless_gguf(path, shape)  # a context of 256 tokens
+    got = probe_pagedllm(str(path), steps=2, threads=1, kv_cache_memory="8MiB", prompt_tokens=300)
+    assert got["ms_per_token"] > 0 and "prompt_ms" not in got
+    assert got["prompt_error"].startswith("a 300-token prompt: ")
+
+
+def test_prompt_figures_over_rounds() -> None:
+    """Each system's prompt figures are those of its round of median prompt time, apart
+    from its decode round; the prompt's ratio is of tokens per second (higher: pagedllm
+    faster), the median of the rounds' ratios."""
+    ours = [
+        {"ms_per_token": ms, "peak_rss_bytes": 1, "prompt_ms": p, "prompt_tok_s": 512_000 / p}
+        | {"prompt_tokens": 512, "prompt_repetitions_ms": [p]}
+        for ms, p in [(10.0, 400.0), (12.0, 100.0), (11.0, 200.0)]
+    ]
+    theirs = [dict(r, prompt_tok_s=1000.0) for r in ours]
+    median = llamacpp.median_round(ours)
+    assert median["ms_per_token"] == 11.0 and median["prompt_ms"] == 200.0
+    assert median["prompt_repetitions_ms"] == [200.0]
+    ratios = llamacpp.round_ratios(ours, theirs)
+    assert ratios["prompt_round_ratios"] == [1.28, 5.12, 2.56]
+    assert ratios["prompt_ratio"] == 2.56 and ratios["round_ratios"] == [1.0, 1.0, 1.0]
+    refused = [*ours[:2], {"ms_per_token": 9.0, "peak_rss_bytes": 1, "prompt_error": "why"}]
+    median = llamacpp.median_round(refused)
+    assert median["prompt_error"] == "why" and "prompt_ms" not in median
 
 
 def write_fake_tools(folder: Path) -> None:
     """Stand-ins for llama.cpp: llama-quantize copies its input; llama-bench touches
-    FAKE_LLAMA_BENCH_BYTES and prints a tg test as llama-bench's JSON does (40 ms/token)."""
+    FAKE_LLAMA_BENCH_BYTES and prints its tests as llama-bench's JSON does: a pp test for a
+    prompt (-p) of more than 0 tokens (2 ms/token), then a tg test (40 ms/token)."""
     folder.mkdir()
     scripts = {
         "llama-quantize": "import shutil, sys\nshutil.copyfile(sys.argv[1], sys.argv[2])\n",
@@ -130,9 +168,14 @@ def write_fake_tools(folder: Path) -> None:
             "import json, sys\n"
             f"held = b'x' * {FAKE_LLAMA_BENCH_BYTES}\n"
             "n = int(sys.argv[sys.argv.index('-n') + 1])\n"
-            "print(json.dumps([{'build_commit': 'fake', 'build_number': 1, 'n_prompt': 0,"
+            "p = int(sys.argv[sys.argv.index('-p') + 1])\n"
+            "pp = [{'build_commit': 'fake', 'build_number': 1, 'n_prompt': p, 'n_gen': 0,"
+            " 'avg_ns': p * 2_000_000, 'avg_ts': 500.0,"
+            " 'samples_ns': [p * 1_000_000, p * 3_000_000]}]\n"
+            "tg = [{'build_commit': 'fake', 'build_number': 1, 'n_prompt': 0,"
             " 'n_gen': n, 'avg_ns': n * 40_000_000, 'avg_ts': 25.0,"
-            " 'samples_ns': [n * 30_000_000, n * 50_000_000]}]))\n"
+            " 'samples_ns': [n * 30_000_000, n * 50_000_000]}]\n"
+            "print(json.dumps((pp if p else []) + tg))\n"
         ),
     }
     for name, body in scripts.items():
@@ -149,7 +192,8 @@ def test_bench_over_llama_cpp_tools(
     work, out = tmp_path / "work", tmp_path / "out"
     argv = ["bench", "llamacpp", "--models", "smollm2-1.7b", "--llama-cpp-bin"]
     argv += [str(tmp_path / "bin"), "--work", str(work), "--out", str(out), "--steps", "3"]
-    assert main([*argv, "--kv-cache-memory", "8MiB", "--tokenizer-from", tokenizer_source]) == 0
+    argv += ["--prompt-tokens", "48", "--kv-cache-memory", "8MiB"]
+    assert main([*argv, "--tokenizer-from", tokenizer_source]) == 0
     result = json.loads((out / "llamacpp.json").read_text())
     (row,) = result["results"]
     stem = tiny.file_stem(0)
@@ -168,6 +212,20 @@ def test_bench_over_llama_cpp_tools(
     assert row["bound_gb"] == pytest.approx(bound, abs=2e-3)
     assert row["within_bound"] == ("yes" if row["pagedllm_rss_gb"] <= row["bound_gb"] else "no")
     assert result["config"]["llama_cpp_build"] == "fake (build 1)"
+    # the prompt: llama-bench's pp48 from the same call, pagedllm's one-step prefill
+    assert result["config"]["prompt_tokens"] == 48
+    assert row["llama_cpp_prompt_tok_s"] == 500.0 and row["llama_cpp_prompt_ms"] == 96.0
+    assert row["llama_cpp_prompt_repetitions_ms"] == [48.0, 144.0]
+    assert row["pagedllm_prompt_tok_s"] > 0
+    assert len(row["pagedllm_prompt_repetitions_ms"]) == PROMPT_REPETITIONS
+    assert row["pagedllm_prompt_tok_s"] == pytest.approx(
+        48_000 / row["pagedllm_prompt_ms"], rel=2e-3
+    )
+    assert len(row["prompt_round_ratios"]) == 3
+    ratio = row["pagedllm_prompt_tok_s"] / 500.0  # higher: pagedllm processes faster
+    assert row["prompt_ratio"] == pytest.approx(ratio, abs=0.006)
+    assert result["ratios"]["smollm2-1.7b"]["prompt"] == row["prompt_ratio"]
+    assert "| prompt: pagedllm / llama.cpp |" in result["table_md"]
 
 
 def test_bench_without_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,11 +244,15 @@ def test_bench_without_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     write_vocabless_gguf(cached, shapes["smollm2-1.7b"])
     models = "smollm2-1.7b,qwen2.5-7b"
     argv = ["bench", "llamacpp", "--models", models, "--work", str(work), "--out", str(out)]
+    argv += ["--prompt-tokens", "0"]  # no prompt timed: no prompt columns
     assert main([*argv, "--steps", "2", "--kv-cache-memory", "8MiB"]) == 0
     result = json.loads((out / "llamacpp.json").read_text())
     (row,) = result["results"]
     assert row["model"] == "smollm2-1.7b" and row["pagedllm_ms"] > 0
     assert "llama_cpp_ms" not in row and row["ms_ratio"] is None
+    assert "pagedllm_prompt_tok_s" not in row and row["prompt_ratio"] is None
+    assert "prompt tok/s" not in result["table_md"]
+    assert "prompt" not in result["ratios"]["smollm2-1.7b"]
     notes = " ".join(result["notes"])
     assert "llama.cpp not found" in notes
     assert "qwen2.5-7b: skipped, writing its Q4_K_M file needs llama-quantize" in notes

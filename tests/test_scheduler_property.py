@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
-from pagedllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from pagedllm.core.scheduler_output import ScheduledSeq, SchedulerOutput, TableEdit
 from pagedllm.core.sequence import Request
 from pagedllm.core.sequence import Sequence as Seq
 from pagedllm.engine.config import EngineConfig
@@ -60,6 +60,7 @@ class CountingRunner(FakeModelRunner):
         super().__init__(spec, seed=seed)
         self.copies = 0
         self.whole_tables = self.appended_tables = 0
+        self.truncated_tables = self.nulled_tables = 0  # edits: entries lost, entries nulled
         self.kv: KVCacheManager | None = None
         self.mismatches: list[str] = []
         self.input_batch: InputBatch | None = None
@@ -74,6 +75,10 @@ class CountingRunner(FakeModelRunner):
         self.copies += len(step.blocks_to_copy)
         self.whole_tables += sum(s.replaces_tables for s in step.seqs)
         self.appended_tables += sum(not s.replaces_tables for s in step.seqs)
+        edits = [e for s in step.seqs for e in s.table_edits if e is not None]
+        self.truncated_tables += sum(e.keep < len(t) for e, t in self.edited(step))
+        self.nulled_tables += sum(e.null_start < min(e.null_stop, e.keep) for e in edits)
+        self.check_whole_tables(step)
         sampled = super().execute(step, rows, grammar_bitmask, prompt_rows)
         if self.input_batch is None:  # tables as small as can be: the runs make them grow
             self.input_batch = InputBatch(self.tables.num_groups, rows=1, entries=1)
@@ -92,6 +97,29 @@ class CountingRunner(FakeModelRunner):
             if got != want or [gathered[g][i].tolist() for g in range(len(want))] != padded:
                 self.mismatches.append(f"sequence {s.seq_id}: {got} (runner) != {want}")
         return sampled
+
+    def edited(self, step: SchedulerOutput) -> list[tuple[TableEdit, tuple[int, ...]]]:
+        """Each edit of the step with the runner's table it applies to (before the step)."""
+        return [
+            (e, self.tables.tables_of(s.seq_id)[g])
+            for s in step.seqs
+            for g, e in enumerate(s.table_edits)
+            if e is not None
+        ]
+
+    def check_whole_tables(self, step: SchedulerOutput) -> None:
+        """A sequence the runner holds (and keeps this step) gets its tables whole only
+        after an entry was replaced in place: a copy-on-write into its tables this step.
+        A truncation or blocks given back behind a window come as edits."""
+        kv = self.kv
+        assert kv is not None
+        gone = {*step.finished_seq_ids, *step.preempted_seq_ids}
+        copied = {dst for _, dst in step.blocks_to_copy}
+        for s in step.seqs:
+            if not s.replaces_tables or s.seq_id not in self.tables.row_of or s.seq_id in gone:
+                continue
+            if not copied & {b for t in kv.block_tables(s.seq_id) for b in t}:
+                self.mismatches.append(f"sequence {s.seq_id}: whole tables with no rewrite")
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -304,7 +332,7 @@ def test_pool_stays_consistent_with_speculation(seed: int, caching: bool, hybrid
 def test_speculation_accepts_rejects_preempts_and_hits() -> None:
     """Randomized speculative runs keep some proposals and reject others, preempt and hit
     the prefix cache; with a fake runner that keeps every or no proposal, too."""
-    proposed = accepted = preemptions = hits = 0
+    proposed = accepted = preemptions = hits = truncated = nulled = 0
     for seed in range(12):
         engine = simulate(seed, steps=300, hybrid=seed % 2 == 1, speculative=True)
         snap = engine.snapshot()
@@ -312,7 +340,12 @@ def test_speculation_accepts_rejects_preempts_and_hits() -> None:
         accepted += snap.spec_accepted_tokens
         preemptions += engine.scheduler.num_preemptions
         hits += engine.scheduler.prefix_hit_tokens
+        truncated += engine.runner.truncated_tables
+        nulled += engine.runner.nulled_tables
     assert 0 < accepted < proposed and preemptions > 0 and hits > 0
+    # Rejected lookahead given back, and blocks behind windows, reached the runner as
+    # edits of its tables (checked against the manager's at every step), not whole tables.
+    assert truncated > 0 and nulled > 0
     for keep_all in (False, True):
         config = EngineConfig(
             block_size=2,
@@ -345,7 +378,7 @@ def test_speculation_accepts_rejects_preempts_and_hits() -> None:
 def test_layer_groups_drop_blocks_share_and_hit() -> None:
     """Randomized hybrid runs really give blocks back behind windows, preempt, copy on
     write and hit the prefix cache."""
-    preemptions = hits = copies = dropped = appended = 0
+    preemptions = hits = copies = dropped = appended = nulled = 0
     for seed in range(20):
         engine = simulate(seed, steps=400, hybrid=True)
         preemptions += engine.scheduler.num_preemptions
@@ -353,7 +386,9 @@ def test_layer_groups_drop_blocks_share_and_hit() -> None:
         copies += engine.runner.copies
         dropped += engine.kv.num_dropped_blocks
         appended += engine.runner.appended_tables
+        nulled += engine.runner.nulled_tables
     assert preemptions > 0 and hits > 0 and copies > 0 and dropped > 0 and appended > 0
+    assert nulled > 0  # the runner nulled its own entries: the tables were not resent
 
 
 def test_many_steps_with_preemptions_copies_and_cache_hits() -> None:
@@ -488,6 +523,42 @@ def test_runner_rows_take_the_lowest_free_row_and_apply_changes_in_place() -> No
     assert [tables.tables_of(i) for i in (12, 13, 14)] == [((2,),), ((1,),), ((5, 5),)]
     with pytest.raises(RuntimeError, match="no tables of it"):
         tables.apply(step(seq(15, (1,), False)))
+
+
+def test_runner_rows_apply_truncations_and_nulls_in_place() -> None:
+    """An edit shortens a row (zeros past it) and nulls entries behind a window before the
+    appended ids; both stores agree, and an edit longer than the row is refused."""
+
+    def seq(seq_id: int, ids: tuple[int, ...], edit: TableEdit | None = None) -> ScheduledSeq:
+        edits = (edit,) if edit is not None else ()
+        return ScheduledSeq(
+            "r", seq_id, (1,), 0, (ids,), True, replaces_tables=False, table_edits=edits
+        )
+
+    def step(*seqs: ScheduledSeq) -> SchedulerOutput:
+        return SchedulerOutput(seqs, {}, (), ())
+
+    null = 99
+    steps = [
+        step(
+            ScheduledSeq("r", 1, (1,), 0, ((4, 5, 6, 7),), True),
+            ScheduledSeq("r", 2, (1,), 0, ((8, 9),), True),
+        ),  # whole tables
+        step(seq(1, (), TableEdit(keep=2)), seq(2, (3,))),  # lookahead given back
+        step(seq(1, (10,), TableEdit(2, 0, 1, null)), seq(2, ())),  # dropped, then grown
+        step(seq(1, (null, 11), TableEdit(1, 1, 3, null)), seq(2, (), TableEdit(3, 0, 2, null))),
+    ]
+    tables = BatchTables(1, ListTableStore(1))
+    batch = InputBatch(1, rows=1, entries=1)
+    for s in steps:
+        tables.apply(s)
+    gathered = [batch.step_tables(s)[0].tolist() for s in steps]
+    assert gathered[1] == [[4, 5, 0], [8, 9, 3]]  # zeros past the shortened row
+    assert gathered[2] == [[null, 5, 10], [8, 9, 3]]
+    assert gathered[3] == [[null, null, 11], [null, null, 3]]
+    assert tables.tables_of(1) == batch.mirror.tables_of(1) == ((null, null, 11),)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        tables.apply(step(seq(2, (), TableEdit(keep=4))))
 
 
 def simulate_adapters(

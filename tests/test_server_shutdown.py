@@ -174,12 +174,17 @@ def test_sigterm_ends_running_requests_at_the_limit_and_exits(
         signalled = time.monotonic()
         refused = False
         while not refused and proc.poll() is None:
+            assert time.monotonic() - signalled < EXIT_BOUND_S, "new connections still accepted"
             try:
                 httpx.get(url + "/health", timeout=1)
             except httpx.ConnectError:
                 refused = True
-            except (httpx.RemoteProtocolError, httpx.ReadTimeout):
-                pass  # accepted as the listener closed, then dropped: ask again
+            except httpx.TransportError:
+                # Caught by the close: still in the listener's backlog when it closed, or
+                # accepted and closed unread (reset, ReadError), or closed after it was read
+                # (RemoteProtocolError), or not answered in time. The server promised to
+                # refuse new connections, not to answer one that raced the close: ask again.
+                pass
         # Refused while the streams still ran: the limit had not passed.
         assert refused and not any(s.events and s.events[-1] == "[DONE]" for s in streams)
         # Uvicorn raises the signal again once it has shut down: killed by SIGTERM.

@@ -6,9 +6,11 @@ and `qwen2.5-7b`, real-shaped models of random weights (bench/random_gguf.py) wr
 F16 and quantized by llama.cpp's `llama-quantize` to Q4_K_M. Those files are kept in
 `--work` and reused by a later run of the same shape and seed; the F16 is deleted once
 quantized unless `--keep-f16`. llama.cpp decodes with `llama-bench -p 0 -n STEPS -o json`
-(its tg figure); pagedllm in bench/gguf_probe.py. Each runs in a process of its own, whose
-peak resident memory `wait4` reports; the two alternate for `--rounds` rounds, so that a
-machine whose speed drifts sways both alike (the ratio is the median of the rounds').
+(its tg figure) and, with `--prompt-tokens N` (default 512), processes a prompt in the same
+call (`-p N`, its ppN figure); pagedllm in bench/gguf_probe.py. Each runs in a process of
+its own, whose peak resident memory `wait4` reports; the two alternate for `--rounds`
+rounds, so that a machine whose speed drifts sways both alike (the ratio is the median of
+the rounds').
 Without llama.cpp the bench says so and measures pagedllm alone (on a shaped model only
 where its quantized file is already in `--work`).
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench import options
-from pagedllm.bench.gguf_probe import PROMPT_LEN, probe_pagedllm
+from pagedllm.bench.gguf_probe import PROMPT_LEN, PROMPT_REPETITIONS, probe_pagedllm
 from pagedllm.bench.measured_process import run_measured
 from pagedllm.bench.memory_floor import read_bytes_per_second
 from pagedllm.bench.output import ratio, write_outputs
@@ -58,6 +60,13 @@ COLUMNS = "|".join(
         "process_ready_s=from process start s",
     ]
 )
+PROMPT_COLUMNS = "|".join(
+    [
+        "llama_cpp_prompt_tok_s=llama.cpp prompt tok/s",
+        "pagedllm_prompt_tok_s=pagedllm prompt tok/s",
+        "prompt_ratio=prompt: pagedllm / llama.cpp",
+    ]
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -72,6 +81,8 @@ def add_parser(sub: Any) -> None:
     work = "folder for the written GGUF files, reused by later runs (default: %(default)s)"
     p.add_argument("--work", default="bench-work/llamacpp", help=work)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed (default: 32)")
+    prompt = "prompt processed in one step, as llama-bench's ppN (default: 512; 0: not timed)"
+    p.add_argument("--prompt-tokens", type=int, default=512, help=prompt)
     rounds = "llama.cpp then pagedllm, this many times per model (default: %(default)s)"
     p.add_argument("--rounds", type=int, default=3, help=rounds)
     p.add_argument("--threads", type=int, default=2, help="both systems' threads (default: 2)")
@@ -132,21 +143,37 @@ def quantized_model(
     return str(quantized), f"{shape.name}: wrote {quantized} (random N(0, 0.02), seed {args.seed})"
 
 
-def llama_bench(tool: str, model: str, threads: int, steps: int) -> dict[str, Any]:
-    """llama.cpp's decode time per token (tg, from an empty context) and peak RSS."""
-    command = [tool, "-m", model, "-t", str(threads), "-p", "0", "-n", str(steps), "-o", "json"]
-    run = run_measured(command, TIMEOUT_S)
+def llama_bench(
+    tool: str, model: str, threads: int, steps: int, prompt_tokens: int = 0
+) -> dict[str, Any]:
+    """llama.cpp's decode time per token (tg, from an empty context), its time to process a
+    `prompt_tokens`-token prompt in one batch (pp; none for 0), and the peak RSS of both."""
+    command = [tool, "-m", model, "-t", str(threads), "-p", str(prompt_tokens)]
+    run = run_measured([*command, "-n", str(steps), "-o", "json"], TIMEOUT_S)
     if run.returncode != 0:
         return {"error": run.failure("llama-bench")}
-    tests = [t for t in json.loads(run.stdout) if t["n_prompt"] == 0 and t["n_gen"] > 0]
-    if not tests:
+    tests = json.loads(run.stdout)
+    tgs = [t for t in tests if t["n_prompt"] == 0 and t["n_gen"] > 0]
+    if not tgs:
         return {"error": f"llama-bench printed no tg test: {run.stdout[-500:]}"}
-    tg = tests[0]
-    return {
+    tg = tgs[0]
+    figures = {
         "ms_per_token": tg["avg_ns"] / tg["n_gen"] / 1e6,
         "repetitions_ms": [round(ns / tg["n_gen"] / 1e6, 2) for ns in tg.get("samples_ns", [])],
         "peak_rss_bytes": run.peak_rss_bytes,
         "build": f"{tg.get('build_commit')} (build {tg.get('build_number')})",
+    }
+    if prompt_tokens == 0:
+        return figures
+    pps = [t for t in tests if t["n_prompt"] == prompt_tokens and t["n_gen"] == 0]
+    if not pps:
+        return figures | {"prompt_error": f"llama-bench printed no pp{prompt_tokens} test"}
+    pp = pps[0]
+    return figures | {
+        "prompt_tokens": prompt_tokens,
+        "prompt_ms": pp["avg_ns"] / 1e6,
+        "prompt_tok_s": prompt_tokens * 1e9 / pp["avg_ns"],
+        "prompt_repetitions_ms": [round(ns / 1e6, 2) for ns in pp.get("samples_ns", [])],
     }
 
 
@@ -160,15 +187,27 @@ def cpu_kind() -> str:
     return "AVX-512 VNNI" if vnni else "AVX2"
 
 
+PROMPT_KEYS = ("prompt_tokens", "prompt_ms", "prompt_tok_s", "prompt_repetitions_ms")
+
+
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One system's figures over the rounds: those of its round of median time per token,
-    with the highest peak RSS of any round (the first failure, if a round failed)."""
+    with the highest peak RSS of any round (the first failure, if a round failed), and the
+    prompt's figures of its round of median prompt time (the first prompt_error, if any)."""
     failed = [r for r in rounds if "ms_per_token" not in r]
     if failed:
         return failed[0]
     ordered = sorted(rounds, key=lambda r: r["ms_per_token"])
     peak = max(r["peak_rss_bytes"] for r in rounds)
-    return ordered[(len(ordered) - 1) // 2] | {"peak_rss_bytes": peak}
+    median = ordered[(len(ordered) - 1) // 2] | {"peak_rss_bytes": peak}
+    median = {k: v for k, v in median.items() if k not in PROMPT_KEYS and k != "prompt_error"}
+    refused = [r for r in rounds if "prompt_error" in r]
+    if refused:
+        return median | {"prompt_error": refused[0]["prompt_error"]}
+    timed = sorted((r for r in rounds if "prompt_ms" in r), key=lambda r: r["prompt_ms"])
+    if not timed:
+        return median
+    return median | {key: timed[(len(timed) - 1) // 2][key] for key in PROMPT_KEYS}
 
 
 def row_of(
@@ -191,7 +230,13 @@ def row_of(
         row["within_bound"] = "yes" if ours["peak_rss_bytes"] <= bound else "no"
         for key in ("engine_s", "ready_s", "process_ready_s", "gguf_kernel"):
             row[key] = ours[key]
+    for system, figures in (("llama_cpp", theirs), ("pagedllm", ours)):
+        if "prompt_ms" in figures:
+            row[f"{system}_prompt_tok_s"] = round(figures["prompt_tok_s"], 1)
+            row[f"{system}_prompt_ms"] = round(figures["prompt_ms"], 2)
+            row[f"{system}_prompt_repetitions_ms"] = figures["prompt_repetitions_ms"]
     row["ms_ratio"] = ratio(row.get("pagedllm_ms"), row.get("llama_cpp_ms"))
+    row["prompt_ratio"] = ratio(row.get("pagedllm_prompt_tok_s"), row.get("llama_cpp_prompt_tok_s"))
     row["rss_ratio"] = ratio(row.get("pagedllm_rss_gb"), row.get("llama_cpp_rss_gb"))
     if "pagedllm_rss_gb" in row:  # llama-bench's context holds only its test's tokens
         row["pagedllm_rss_less_kv_gb"] = round(row["pagedllm_rss_gb"] - row["kv_pool_gb"], 3)
@@ -199,28 +244,36 @@ def row_of(
             row["pagedllm_rss_less_kv_gb"], row.get("llama_cpp_rss_gb")
         )
     errors = [figures["error"] for figures in (ours, theirs) if "error" in figures]
+    errors += [f["prompt_error"] for f in (ours, theirs) if "prompt_error" in f]
     return row | ({"errors": errors} if errors else {})
 
 
 def round_ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each round's pagedllm / llama.cpp time per token, and their median (the row's ratio)."""
-    pairs = [
-        (a["ms_per_token"], b["ms_per_token"])
-        for a, b in zip(ours, theirs, strict=False)
-        if "ms_per_token" in a and "ms_per_token" in b
-    ]
-    if not pairs:
-        return {}
-    each = [a / b for a, b in pairs]
-    # median_low: the ratio of a round that ran, as median_round picks a round
-    ratio_of_rounds = round(statistics.median_low(each), 2)
-    return {"round_ratios": [round(r, 3) for r in each], "ms_ratio": ratio_of_rounds}
+    """Each round's pagedllm / llama.cpp time per token and prompt tokens per second, and
+    their medians (the row's ratios)."""
+    ratios: dict[str, Any] = {}
+    for key, name in (("ms_per_token", "ms"), ("prompt_tok_s", "prompt")):
+        each = [
+            a[key] / b[key]
+            for a, b in zip(ours, theirs, strict=False)
+            if key in a and key in b and b[key]
+        ]
+        if each:
+            prefix = "" if name == "ms" else "prompt_"
+            ratios[f"{prefix}round_ratios"] = [round(r, 3) for r in each]
+            # median_low: the ratio of a round that ran, as median_round picks a round
+            ratios[f"{name}_ratio"] = round(statistics.median_low(each), 2)
+    return ratios
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("steps", "threads", "rounds"):
         if getattr(args, name) < 1:
             raise InvalidParameterError(name, f"--{name} must be at least 1")
+    if args.prompt_tokens < 0:
+        raise InvalidParameterError(
+            "prompt_tokens", "--prompt-tokens must be at least 0 (0: no prompt timed)"
+        )
     tools = llama_cpp_tools(args.llama_cpp_bin)
     notes: list[str] = []
     if tools["llama-bench"] is None:
@@ -243,13 +296,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ours: list[dict[str, Any]] = []
         for _ in range(args.rounds):
             if tools["llama-bench"] is not None:
-                theirs.append(llama_bench(tools["llama-bench"], path, args.threads, args.steps))
-                builds.add(theirs[-1].get("build"))
-            ours.append(probe_pagedllm(path, args.steps, args.threads, args.kv_cache_memory))
+                bench = llama_bench(
+                    tools["llama-bench"], path, args.threads, args.steps, args.prompt_tokens
+                )
+                theirs.append(bench)
+                builds.add(bench.get("build"))
+            ours.append(
+                probe_pagedllm(
+                    path,
+                    args.steps,
+                    args.threads,
+                    args.kv_cache_memory,
+                    args.prompt_tokens,
+                    TIMEOUT_S,  # six N-token prompts on the 7B shape take minutes
+                )
+            )
         row = row_of(name, path, median_round(ours), median_round(theirs or [{}]), read_rate)
         rows.append(row := row | {"load_1m": load} | round_ratios(ours, theirs))
         notes += [f"{name}: {error}" for error in row.get("errors", [])]
     config = {"threads": args.threads, "steps": args.steps, "rounds": args.rounds}
+    config["prompt_tokens"] = args.prompt_tokens
     config["kv_cache_memory"] = args.kv_cache_memory
     config |= {"cpu_kind": cpu_kind(), "read_gb_per_s": round(read_rate / GB, 1)}
     config["llama_cpp_bin"] = os.path.dirname(tools["llama-bench"] or "") or None
@@ -258,15 +324,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.rounds} rounds per model, llama.cpp then pagedllm; each system's figures are "
         "those of its median round (peak RSS: the highest); pagedllm / llama.cpp is the "
         "median of the rounds' ratios (JSON: round_ratios)",
-        f"one stream, {args.threads} threads each; ms/token: llama.cpp's `llama-bench -p 0 "
-        f"-n {args.steps}` tg (mean of its repetitions, from an empty context); pagedllm's "
+        f"one stream, {args.threads} threads each; ms/token: llama.cpp's tg{args.steps} test "
+        f"of `llama-bench -p {args.prompt_tokens} -n {args.steps}` (mean of its repetitions, "
+        "from an empty context); pagedllm's "
         f"median decode step at batch 1 over {args.steps} steps after a {PROMPT_LEN}-token "
         "prompt "
         "(`bench decode`'s timing: scheduling, sampling and output processing included)",
         "peak RSS: each system's own process (wait4's ru_maxrss), over load and generation; "
         "mapped file pages it touched count; pagedllm's includes its whole KV pool (zeroed "
         "at start), llama-bench's a context of its test's tokens only (JSON: "
-        "pagedllm_rss_less_kv_gb, rss_less_kv_ratio)",
+        "pagedllm_rss_less_kv_gb, rss_less_kv_ratio)"
+        + (
+            f"; one llama-bench call runs both its tests (pp{args.prompt_tokens}, then "
+            f"tg{args.steps}), so its peak covers both, and pagedllm's the prompt's step too"
+            if args.prompt_tokens
+            else ""
+        ),
         "ready to serve: from the start of pagedllm's engine construction (memory check, "
         "load, KV pool) to the token after a one-token prompt; 'from process start' adds "
         "Python's start and imports",
@@ -276,8 +349,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "in the JSON: llama-bench's repetitions (ms/token each), and the 1-minute load "
         "average as each model's runs began",
     ]
+    if args.prompt_tokens:
+        notes.append(
+            f"prompt tok/s: {args.prompt_tokens} tokens / the time to process a prompt of "
+            f"that many tokens in one batch: llama.cpp's pp{args.prompt_tokens} test (the "
+            f"mean of its repetitions' times); pagedllm's median of {PROMPT_REPETITIONS} "
+            "engine steps, each a fresh request of new random token ids (no prefix-cache "
+            "hit) after a warm-up one, the token budget raised so that the whole prompt is "
+            "one step (scheduling, the forward pass and sampling the first token); "
+            "prompt: pagedllm / llama.cpp is of tokens per second: higher is better for "
+            "pagedllm, unlike the ms/token ratio (JSON: prompt_round_ratios; each "
+            "system's prompt_ms and prompt_repetitions_ms)"
+        )
     result = options.new_result("llamacpp", args, "GGUF files (see rows)", config, rows, notes)
     for row in rows:
         result["ratios"][row["model"]] = {"ms": row["ms_ratio"], "rss": row["rss_ratio"]}
+        if args.prompt_tokens:
+            result["ratios"][row["model"]]["prompt"] = row["prompt_ratio"]
     result["exit_code"] = 1 if any("errors" in row for row in rows) else 0
-    return write_outputs(result, args.out, COLUMNS)
+    columns = f"{COLUMNS}|{PROMPT_COLUMNS}" if args.prompt_tokens else COLUMNS
+    return write_outputs(result, args.out, columns)

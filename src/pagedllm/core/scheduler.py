@@ -307,7 +307,7 @@ class Scheduler:
             end = start + chunk - len(draft)
             for seq in req.seqs:
                 groups = self.kv.tables[seq.seq_id].groups
-                new_block_ids, replaces = self._sent_tables.changes(seq.seq_id, groups)
+                new_block_ids, replaces, edits = self._sent_tables.changes(seq.seq_id, groups)
                 seqs.append(
                     ScheduledSeq(
                         request_id=request_id,
@@ -319,6 +319,7 @@ class Scheduler:
                         draft_token_ids=draft,
                         replaces_tables=replaces,
                         lora_id=req.lora_id,
+                        table_edits=edits,
                     )
                 )
         # The runner hears of ended sequences (and drops their seeded generators) only

@@ -37,10 +37,13 @@ class BlockTable:
         self.num_tokens = 0
         # Chained hashes of the leading full blocks already offered to the prefix cache.
         self.block_hashes: list[bytes] = []
-        # Changes to entries other than appending (a copy-on-write, blocks given back
-        # behind the window, a truncation): the scheduler sends the worker the whole
-        # table after one, the appended entries otherwise.
+        # Entries replaced in place (copy-on-write): the scheduler sends the runner the
+        # whole table after one. After a truncation it sends the new length (the entries
+        # after the latest one: `truncated_to`), after blocks given back behind the window
+        # the null entries (`num_dropped`), and the appended entries (core/scheduler_output.py).
         self.num_rewrites = 0
+        self.num_truncations = 0
+        self.truncated_to = 0
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -101,7 +104,8 @@ class BlockTable:
         keep = max(-(-num_tokens // bs), self.num_dropped)
         given = []
         if len(self.blocks) > keep:
-            self.num_rewrites += 1
+            self.num_truncations += 1
+            self.truncated_to = keep
         while len(self.blocks) > keep:
             block = self.blocks.pop()
             if block != self.null_block:
@@ -151,8 +155,6 @@ class BlockTable:
                 self.blocks[i] = self.null_block
                 dropped.append((i, block))
         self.num_dropped = max(self.num_dropped, end)
-        if dropped:
-            self.num_rewrites += 1
         return dropped
 
     def real_blocks(self) -> list[int]:

@@ -1,7 +1,8 @@
 """BatchTables: a runner's own copy of the running sequences' block tables.
 
 The scheduler sends each step's changes only (core/scheduler.py): a sequence new to the
-runner with its whole tables, a running one with the ids its tables gained. This mirror
+runner with its whole tables, a running one with what its tables lost (a shorter length,
+entries now the null block: TableEdit) and the ids they gained. This mirror
 gives each live sequence a row of a preallocated table per layer group, found through a
 slot map (worker/row_slots.py), and applies the changes in place. Where the rows
 live is the store's business: plain lists for the fake runner, tensors for the real one
@@ -91,16 +92,37 @@ class BatchTables:
                     )
                 row = self._new_row(s.seq_id)
             for g, block_ids in enumerate(s.new_block_ids):
-                if not block_ids and not s.replaces_tables:
+                edit = s.table_edits[g] if s.table_edits else None
+                if not block_ids and edit is None and not s.replaces_tables:
                     continue  # most decode steps: the table is as the runner has it
                 lengths = self.lengths[g]
                 if s.replaces_tables:
                     self.store.clear(g, row, lengths[row])
                     lengths[row] = 0
+                elif edit is not None:
+                    self._edit(g, row, edit.keep, edit.null_start, edit.null_stop, edit.null_block)
                 self.store.write(g, row, lengths[row], block_ids)
                 lengths[row] += len(block_ids)
             rows.append(row)
         return rows
+
+    def _edit(
+        self, group: int, row: int, keep: int, null_start: int, null_stop: int, null_block: int
+    ) -> None:
+        """A TableEdit: shorten the row to `keep` entries (zeros past them, as past every
+        table) and null its entries `null_start:null_stop`; only what changed is written."""
+        length = self.lengths[group][row]
+        if not 0 <= keep <= length or not 0 <= null_start <= null_stop:
+            raise RuntimeError(
+                f"a table edit (keep {keep}, null {null_start}:{null_stop}) does not fit a "
+                f"table of {length} entries"
+            )
+        if keep < length:
+            self.store.write(group, row, keep, [0] * (length - keep))
+            self.lengths[group][row] = keep
+        stop = min(null_stop, keep)
+        if null_start < stop:
+            self.store.write(group, row, null_start, [null_block] * (stop - null_start))
 
     def drop(self, seq_id: int) -> None:
         """Free the sequence's row (nothing when it has none)."""
