@@ -628,13 +628,21 @@ static inline void transpose_16x8(const __m512i z[8], __m512i t[8]) {
   }
 }
 
+// 32 values of 16 rows (z[p]: rows 2p and 2p+1) into `tile`: 8 registers' worth of 16
+// lanes, lane i of register d holding values 4d..4d+3 of row i.
+static inline void store_interleaved(const __m512i z[8], int32_t* tile) {
+  __m512i t[8];
+  transpose_16x8(z, t);
+  for (int d = 0; d < 8; ++d) _mm512_storeu_si512(tile + 16 * d, t[d]);
+}
+
 // Block b of 16 weight rows (x[i]; a null row reads as zeros), interleaved into `tile`.
 static inline void interleave_q4_1(const block_q4_1* const* x, int b, int32_t* tile) {
   static const block_q4_1 kZero = {};
   const __m512i m4 = _mm512_set1_epi8(0xF);
   const __m512i nibble_shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
   const __m512i pairs = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
-  __m512i z[8], t[8];
+  __m512i z[8];
   for (int p = 0; p < 8; ++p) {
     const block_q4_1& lo = x[2 * p] ? x[2 * p][b] : kZero;
     const block_q4_1& hi = x[2 * p + 1] ? x[2 * p + 1][b] : kZero;
@@ -645,8 +653,7 @@ static inline void interleave_q4_1(const block_q4_1* const* x, int b, int32_t* t
     const __m512i q = _mm512_permutexvar_epi64(pairs, _mm512_castsi256_si512(two));
     z[p] = _mm512_and_si512(_mm512_srlv_epi64(q, nibble_shift), m4);
   }
-  transpose_16x8(z, t);
-  for (int d = 0; d < 8; ++d) _mm512_storeu_si512(tile + 16 * d, t[d]);
+  store_interleaved(z, tile);
 }
 
 // R activation rows (their blocks ys[r], and per block ad[r] = d_a, as[r] = d_a * sum_a)
@@ -682,12 +689,9 @@ static inline void interleaved_rows_q4_1(int nb, const int32_t* tile, const floa
 #else
 constexpr int kInterleavedRows = 8;
 
-// Block b of 8 weight rows (x[i]; a null row reads as zeros), interleaved into `tile`: the
-// classic 8x8 transpose of dwords.
-static inline void interleave_q4_1(const block_q4_1* const* x, int b, int32_t* tile) {
-  static const block_q4_1 kZero = {};
-  __m256i r[8];
-  for (int i = 0; i < 8; ++i) r[i] = bytes_from_nibbles_32((x[i] ? x[i][b] : kZero).qs);
+// 32 values of 8 rows (r[i]) into `tile`: 8 registers' worth of 8 lanes, lane i of
+// register d holding values 4d..4d+3 of row i (the classic 8x8 transpose of dwords).
+static inline void store_interleaved(const __m256i r[8], int32_t* tile) {
   __m256i u[8], v[8];
   for (int i = 0; i < 4; ++i) {
     u[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -705,6 +709,14 @@ static inline void interleave_q4_1(const block_q4_1* const* x, int b, int32_t* t
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + 8 * (k + 4)),
                         _mm256_permute2x128_si256(v[k], v[4 + k], 0x31));
   }
+}
+
+// Block b of 8 weight rows (x[i]; a null row reads as zeros), interleaved into `tile`.
+static inline void interleave_q4_1(const block_q4_1* const* x, int b, int32_t* tile) {
+  static const block_q4_1 kZero = {};
+  __m256i r[8];
+  for (int i = 0; i < 8; ++i) r[i] = bytes_from_nibbles_32((x[i] ? x[i][b] : kZero).qs);
+  store_interleaved(r, tile);
 }
 
 template <int R>
