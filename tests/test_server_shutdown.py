@@ -167,7 +167,7 @@ def test_sigterm_ends_running_requests_at_the_limit_and_exits(
         running = 0.0
         while running < 4:  # the non-streaming one too
             assert time.monotonic() < deadline, "the requests did not start"
-            metrics = httpx.get(url + "/metrics").text
+            metrics = httpx.get(url + "/metrics", timeout=120).text  # not httpx's 5 s
             running = float(metrics.split("\npagedllm:num_requests_running ")[1].split()[0])
 
         proc.send_signal(signal.SIGTERM)
@@ -232,7 +232,10 @@ def test_the_shutdown_frees_every_block_and_refuses_new_requests(
     assert engine.snapshot.usage.used_blocks > 0
 
     engine.drain()  # as the shutdown does first: a request read from now on is refused
-    check_error(httpx.post(url, json=body(False)), 503, code="server_shutting_down")
+    # The file's 120 s, not httpx's 5 s: the app's loop shares this process with the
+    # engine and the streams' readers, and a loaded machine may answer slowly.
+    refused = httpx.post(url, json=body(False), timeout=120)
+    check_error(refused, 503, code="server_shutting_down")
     server.should_exit = True  # what SIGTERM does
     thread.join(60)  # without the limit, it would wait for the streams' minutes
     assert not thread.is_alive()

@@ -1,7 +1,8 @@
 """Run a command and measure it: its exit status, output and peak resident memory.
 
 The peak is the `ru_maxrss` that `wait4` returns for that one process: its own high-water
-mark (file pages it mapped and touched included), not its children's. It is taken by a
+mark (file pages it mapped and touched included), and that of any child it waited for (a
+compiler building kernels on a cold cache counts: build them first). It is taken by a
 small launcher interpreter that forks and waits for the command, because Linux counts in
 a child's `ru_maxrss` the high-water mark of the memory it ran in before `exec`: forked
 (or vforked, as `subprocess` does) straight from a bench holding gigabytes, every command
