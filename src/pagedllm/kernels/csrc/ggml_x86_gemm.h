@@ -24,64 +24,6 @@ struct ActivationRows {
   const Block* operator[](int r) const { return reinterpret_cast<const Block*>(first + r * stride); }
 };
 
-struct RowsQ4K {
-  template <int R>
-  static void run(int n, const void* vx, ActivationRows<block_q8_K> ys, float* out,
-                  int64_t out_stride) {
-    const block_q4_K* x = static_cast<const block_q4_K*>(vx);
-    const int nb = n / QK_K;
-    uint32_t utmp[4];
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc[R];
-    __m128 acc_m[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), acc_m[r] = _mm_setzero_ps();
-
-    for (int i = 0; i < nb; ++i) {
-      const float xd = fp16_to_fp32(x[i].d), xdmin = fp16_to_fp32(x[i].dmin);
-      unpack_scales_mins_k4(x[i].scales, utmp);
-      const __m256i mins_and_scales =
-          _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-      const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
-      for (int r = 0; r < R; ++r) {
-        const block_q8_K& y = ys[r][i];
-        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
-        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
-                                           _mm256_extracti128_si256(q8sums, 1));
-        const __m128i prod = _mm_madd_epi16(mins, q8s);
-        acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-y.d * xdmin), _mm_cvtepi32_ps(prod), acc_m[r]);
-      }
-      const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-      const __m256i scales = _mm256_set_m128i(sc128, sc128);
-
-      __m256i sumi[R];
-      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-      for (int j = 0; j < QK_K / 64; ++j) {
-        const __m256i scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 0));
-        const __m256i scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
-        const __m256i q4bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qs) + j);
-        const __m256i q4l = _mm256_and_si256(q4bits, m4);
-        const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-        for (int r = 0; r < R; ++r) {
-          const __m256i* q8 = reinterpret_cast<const __m256i*>(ys[r][i].qs) + 2 * j;
-          const __m256i p16l = _mm256_madd_epi16(
-              scale_l, _mm256_maddubs_epi16(q4l, _mm256_loadu_si256(q8)));
-          const __m256i p16h = _mm256_madd_epi16(
-              scale_h, _mm256_maddubs_epi16(q4h, _mm256_loadu_si256(q8 + 1)));
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16l, p16h));
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ys[r][i].d * xd), _mm256_cvtepi32_ps(sumi[r]),
-                                 acc[r]);
-    }
-    for (int r = 0; r < R; ++r) {
-      __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
-      m = _mm_add_ss(m, _mm_movehdup_ps(m));
-      out[r * out_stride] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
-    }
-  }
-};
-
 struct RowsQ5K {
   template <int R>
   static void run(int n, const void* vx, ActivationRows<block_q8_K> ys, float* out,
@@ -287,31 +229,6 @@ struct UnpackQ5_0 {
 using RowsQ4_0 = RowsSigned32<UnpackQ4_0>;
 using RowsQ5_0 = RowsSigned32<UnpackQ5_0>;
 
-struct RowsQ4_1 {
-  template <int R>
-  static void run(int n, const void* vx, ActivationRows<block_q8_1> ys, float* out,
-                  int64_t out_stride) {
-    const block_q4_1* x = static_cast<const block_q4_1*>(vx);
-    const int nb = n / QK8_1;
-    __m256 acc[R];
-    float summs[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), summs[r] = 0;
-    for (int ib = 0; ib < nb; ++ib) {
-      const float d0 = fp16_to_fp32(x[ib].d), m = fp16_to_fp32(x[ib].m);
-      const __m256i qx = bytes_from_nibbles_32(x[ib].qs);
-      for (int r = 0; r < R; ++r) {
-        const block_q8_1& y = ys[r][ib];
-        const float d1 = fp16_to_fp32(y.d);
-        summs[r] += m * (d1 * y.sum);  // exact in fp32, as in vec_dot_q4_1_q8_1
-        const __m256 d0d1 = _mm256_mul_ps(_mm256_set1_ps(d0), _mm256_set1_ps(d1));
-        const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.qs));
-        acc[r] = _mm256_fmadd_ps(d0d1, mul_sum_us8_pairs_float(qx, qy), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum_float_8(acc[r]) + summs[r];
-  }
-};
-
 // out[r * out_stride] = weight row . activation row r, for r < rows (1..kRowsPerDot).
 template <typename Kernel, typename Block>
 static void rows_dot(int n, const void* weight_row, ActivationRows<Block> ys, int rows,
@@ -344,130 +261,7 @@ static void rows_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t
   }
 }
 
-// Q4_K's integer sums of one block for R activation rows, as RowsQ4K's sumi lanes (each
-// sub-block's int32 pair sums times its scale). The VNNI build holds 64 values a register:
-// a 32-byte chunk's low nibbles (sub-block 2c) in its low half and its high nibbles (2c+1)
-// in its high half, which is how the activations lie, and vpdpwssd adds the scaled pairs;
-// folding the halves gives the same int32s.
-template <int R>
-static inline void q4k_block_sums(const block_q4_K& x, __m256i scales,
-                                  ActivationRows<block_q8_K> ys, int i, __m256i* sumi) {
-#ifdef PAGEDLLM_GGML_VNNI
-  const __m512i m4 = _mm512_set1_epi8(0xF);
-  const __m512i nibble_shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
-  __m512i sumz[R];
-  for (int r = 0; r < R; ++r) sumz[r] = _mm512_setzero_si512();
-  for (int c = 0; c < QK_K / 64; ++c) {
-    const __m512i scale = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c))),
-        _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 1)), 1);
-    const __m512i q4bits =
-        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs) + c));
-    const __m512i q4 = _mm512_and_si512(_mm512_srlv_epi64(q4bits, nibble_shift), m4);
-    for (int r = 0; r < R; ++r) {
-      const __m512i q8 = _mm512_loadu_si512(ys[r][i].qs + 64 * c);
-      sumz[r] = _mm512_dpwssd_epi32(sumz[r], scale, _mm512_maddubs_epi16(q4, q8));
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    sumi[r] = _mm256_add_epi32(_mm512_castsi512_si256(sumz[r]),
-                               _mm512_extracti64x4_epi64(sumz[r], 1));
-#else
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-  for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-  for (int c = 0; c < QK_K / 64; ++c) {
-    const __m256i scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 0));
-    const __m256i scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 1));
-    const __m256i q4bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs) + c);
-    const __m256i q4l = _mm256_and_si256(q4bits, m4);
-    const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-    for (int r = 0; r < R; ++r) {
-      const __m256i* q8 = reinterpret_cast<const __m256i*>(ys[r][i].qs) + 2 * c;
-      const __m256i p16l =
-          _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, _mm256_loadu_si256(q8)));
-      const __m256i p16h =
-          _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, _mm256_loadu_si256(q8 + 1)));
-      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16l, p16h));
-    }
-  }
-#endif
-}
-
-// Q4_K, a panel of weight rows times up to 8 activation rows. What only the activations
-// decide is made once per panel instead of once per weight row: each row's pair sums of
-// bsums (as _mm_hadd_epi16 makes them for the minimums), two rows to a register, and its
-// scale. Every int32 lane and every fp32 operation are RowsQ4K's, so the outputs are the
-// same bits.
-struct PanelQ4K {
-  template <int R>
-  static void run(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
-                  ActivationRows<block_q8_K> ys, float* out, int64_t out_stride) {
-    constexpr int G = (R + 1) / 2;  // registers of the minimums' pair sums, 2 rows each
-    // Per block: G * 16 pair sums, G * 8 negated scales (each row's over its 4 lanes; a
-    // row past R zero), then R scales.
-    constexpr int kPerBlock = G * 16 * 2 + G * 8 * 4 + R * 4;
-    const int nb = n / QK_K;
-    std::vector<uint8_t> made(static_cast<size_t>(nb) * kPerBlock);
-    for (int i = 0; i < nb; ++i) {
-      int16_t* sums = reinterpret_cast<int16_t*>(made.data() + static_cast<size_t>(i) * kPerBlock);
-      float* nd = reinterpret_cast<float*>(sums + G * 16);
-      float* d = nd + G * 8;
-      for (int r = 0; r < 2 * G; ++r) {
-        const block_q8_K* y = r < R ? &ys[r][i] : nullptr;
-        const __m256i q8sums =
-            y ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y->bsums))
-              : _mm256_setzero_si256();
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + 8 * r),
-                         _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
-                                        _mm256_extracti128_si256(q8sums, 1)));
-        for (int l = 0; l < 4; ++l) nd[4 * r + l] = y ? -y->d : 0.f;
-        if (y) d[r] = y->d;
-      }
-    }
-    uint32_t utmp[4];
-    for (int64_t j = 0; j < count; ++j) {
-      const block_q4_K* x = reinterpret_cast<const block_q4_K*>(weights + j * row_bytes);
-      __m256 acc[R];
-      __m256 acc_m[G];
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-      for (int g = 0; g < G; ++g) acc_m[g] = _mm256_setzero_ps();
-      for (int i = 0; i < nb; ++i) {
-        const float xd = fp16_to_fp32(x[i].d), xdmin = fp16_to_fp32(x[i].dmin);
-        unpack_scales_mins_k4(x[i].scales, utmp);
-        const __m256i mins_and_scales =
-            _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-        const __m256i mins = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(mins_and_scales, 1));
-        const __m256 dmin = _mm256_set1_ps(xdmin);
-        const int16_t* sums =
-            reinterpret_cast<const int16_t*>(made.data() + static_cast<size_t>(i) * kPerBlock);
-        const float* nd = reinterpret_cast<const float*>(sums + G * 16);
-        const float* di = nd + G * 8;
-        for (int g = 0; g < G; ++g) {
-          const __m256i prod = _mm256_madd_epi16(
-              mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums + 16 * g)));
-          acc_m[g] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(nd + 8 * g), dmin),
-                                     _mm256_cvtepi32_ps(prod), acc_m[g]);
-        }
-        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-        __m256i sumi[R];
-        q4k_block_sums<R>(x[i], _mm256_set_m128i(sc128, sc128), ys, i, sumi);
-        for (int r = 0; r < R; ++r)
-          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(di[r] * xd), _mm256_cvtepi32_ps(sumi[r]),
-                                   acc[r]);
-      }
-      alignas(32) float m_lanes[G * 8];
-      for (int g = 0; g < G; ++g) _mm256_store_ps(m_lanes + 8 * g, acc_m[g]);
-      for (int r = 0; r < R; ++r) {
-        const __m128 am = _mm_load_ps(m_lanes + 4 * r);
-        __m128 m = _mm_add_ps(am, _mm_movehl_ps(am, am));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        out[r * out_stride + j] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
-      }
-    }
-  }
-};
-
-// A panel of `Panel` (PanelQ4K, PanelQ6K): groups of up to kRowsAtOnce activation rows.
+// A panel of `Panel` (PanelQ6K): groups of up to kRowsAtOnce activation rows.
 template <typename Panel>
 static void panel_of(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
                      const uint8_t* activations, int64_t activation_stride, int rows,
@@ -490,7 +284,8 @@ static void panel_of(int n, const uint8_t* weights, int64_t row_bytes, int64_t c
 }
 
 #ifdef PAGEDLLM_GGML_VNNI
-// Q6_K in the VNNI build, as PanelQ4K: a register holds two of RowsQ6K's 32-value chunks
+// Q6_K in the VNNI build: a panel of weight rows times up to 8 activation rows. A register
+// holds two of RowsQ6K's 32-value chunks
 // (s = 0, 1 or 2, 3 of a 128-value half), each with its own scales and high bits, as the
 // activations lie.
 struct PanelQ6K {
@@ -558,25 +353,23 @@ static void run(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
 
 #endif
 
-// Q4_1. A 32-value block leaves little integer work per float step, so the panel takes 16
-// weight rows (VNNI build; 8 in the AVX2 build) at once with their 4-value groups
-// interleaved: lane i of register t holds values 4t..4t+3 of row i, and one vpdpbusd (AVX2:
-// vpmaddubsw, the 16-bit sums added over the block, then one vpmaddwd) with an activation
-// group broadcast to every lane advances every row's dot product. Each block then costs
-// one float step for all the rows. The arithmetic, per output and block b in order (the
-// one-row dot does the same in scalar code, so both methods and both builds give the same
+// Q4_1 and Q4_K, interleaved. A block's scales cost float steps that a 32-value block
+// (Q4_1) leaves little integer work to hide, and that K-quants must apply per 32 values; so
+// these panels take 16 weight rows (VNNI build; 8 in the AVX2 build) at once with their
+// 4-value groups interleaved: lane i of register t holds values 4t..4t+3 of row i, and one
+// vpdpbusd (AVX2: vpmaddubsw, the 16-bit sums added over 32 values, then one vpmaddwd) with
+// an activation group broadcast to every lane advances every row's dot product. A block's
+// scales are then applied once for all the rows. The arithmetic, per output and block in
+// order (the one-row dots below do the same, so both methods and both builds give the same
 // bits):
-//   S = sum of q_w * q_a (exact int32);  acc = fma(d_w * d_a, S, acc);
-//   acc = fma(m_w, d_a * sum_a, acc)     (d_a * sum_a is exact in fp32)
-static inline int32_t q4_1_block_sum(const block_q4_1& x, const block_q8_1& y) {
-  const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.qs));
-  const __m256i qx = bytes_from_nibbles_32(x.qs);
-#ifdef PAGEDLLM_GGML_VNNI
-  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qx, qy);
-#else
-  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), _mm256_set1_epi16(1));
-#endif
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+//   Q4_1: S = sum of q_w * q_a (exact int32);  acc = fma(d_w * d_a, S, acc);
+//         acc = fma(m_w, d_a * sum_a, acc)  (d_a * sum_a is exact in fp32)
+//   Q4_K: I = sum over sub-blocks j of sc_j * (sum of q_w * q_a over j), M = sum of m_j * P_j
+//         (P_j: the activations' sum over j), both exact in int32;
+//         acc = fma(d_w * d_a, I, acc);  acc = fma(dmin_w * d_a, -M, acc)
+
+// The sum of an int32 vector's lanes (hsum_i32_8 is ggml's).
+static inline int32_t hsum_i32_4(__m128i s) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(s);
@@ -585,11 +378,50 @@ static inline int32_t q4_1_block_sum(const block_q4_1& x, const block_q8_1& y) {
 static float dot_q4_1(int n, const void* vx, const void* vy) {
   const block_q4_1* x = static_cast<const block_q4_1*>(vx);
   const block_q8_1* y = static_cast<const block_q8_1*>(vy);
+  const __m256i ones = _mm256_set1_epi16(1);
   float acc = 0.f;
   for (int b = 0; b < n / QK4_1; ++b) {
+    const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs));
+    const int32_t s = hsum_i32_8(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(bytes_from_nibbles_32(x[b].qs), qy), ones));
     const float da = fp16_to_fp32(y[b].d);
-    acc = fmaf(fp16_to_fp32(x[b].d) * da, static_cast<float>(q4_1_block_sum(x[b], y[b])), acc);
+    acc = fmaf(fp16_to_fp32(x[b].d) * da, static_cast<float>(s), acc);
     acc = fmaf(fp16_to_fp32(x[b].m), da * static_cast<float>(y[b].sum), acc);
+  }
+  return acc;
+}
+
+static float dot_q4_K(int n, const void* vx, const void* vy) {
+  const block_q4_K* x = static_cast<const block_q4_K*>(vx);
+  const block_q8_K* y = static_cast<const block_q8_K*>(vy);
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  uint32_t utmp[4];
+  float acc = 0.f;
+  for (int b = 0; b < n / QK_K; ++b) {
+    unpack_scales_mins_k4(x[b].scales, utmp);
+    const __m256i mins_and_scales =
+        _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+    const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
+    const __m256i scales = _mm256_set_m128i(sc128, sc128);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int c = 0; c < QK_K / 64; ++c) {
+      const __m256i q4bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs) + c);
+      const __m256i* q8 = reinterpret_cast<const __m256i*>(y[b].qs) + 2 * c;
+      const __m256i p16l = _mm256_madd_epi16(
+          _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c)),
+          _mm256_maddubs_epi16(_mm256_and_si256(q4bits, m4), _mm256_loadu_si256(q8)));
+      const __m256i p16h = _mm256_madd_epi16(
+          _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 1)),
+          _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4),
+                               _mm256_loadu_si256(q8 + 1)));
+      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+    }
+    const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].bsums));
+    const __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
+                                       _mm256_extracti128_si256(q8sums, 1));
+    const int32_t m = hsum_i32_4(_mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s));
+    acc = fmaf(fp16_to_fp32(x[b].d) * y[b].d, static_cast<float>(hsum_i32_8(sumi)), acc);
+    acc = fmaf(fp16_to_fp32(x[b].dmin) * y[b].d, static_cast<float>(-m), acc);
   }
   return acc;
 }
@@ -628,71 +460,24 @@ static inline void transpose_16x8(const __m512i z[8], __m512i t[8]) {
   }
 }
 
-// 32 values of 16 rows (z[p]: rows 2p and 2p+1) into `tile`: 8 registers' worth of 16
-// lanes, lane i of register d holding values 4d..4d+3 of row i.
-static inline void store_interleaved(const __m512i z[8], int32_t* tile) {
-  __m512i t[8];
+// 32 values of each row (values(i): row i's, 32 bytes) interleaved into tile[8][16].
+template <typename Values>
+static inline void interleave_values(Values values, int32_t* tile) {
+  __m512i z[8], t[8];
+  for (int p = 0; p < 8; ++p)
+    z[p] = _mm512_inserti64x4(_mm512_castsi256_si512(values(2 * p)), values(2 * p + 1), 1);
   transpose_16x8(z, t);
   for (int d = 0; d < 8; ++d) _mm512_storeu_si512(tile + 16 * d, t[d]);
-}
-
-// Block b of 16 weight rows (x[i]; a null row reads as zeros), interleaved into `tile`.
-static inline void interleave_q4_1(const block_q4_1* const* x, int b, int32_t* tile) {
-  static const block_q4_1 kZero = {};
-  const __m512i m4 = _mm512_set1_epi8(0xF);
-  const __m512i nibble_shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
-  const __m512i pairs = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
-  __m512i z[8];
-  for (int p = 0; p < 8; ++p) {
-    const block_q4_1& lo = x[2 * p] ? x[2 * p][b] : kZero;
-    const block_q4_1& hi = x[2 * p + 1] ? x[2 * p + 1][b] : kZero;
-    const __m256i two = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo.qs))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi.qs)), 1);
-    // [lo's qs, lo's qs, hi's qs, hi's qs], then low nibbles and high nibbles of each
-    const __m512i q = _mm512_permutexvar_epi64(pairs, _mm512_castsi256_si512(two));
-    z[p] = _mm512_and_si512(_mm512_srlv_epi64(q, nibble_shift), m4);
-  }
-  store_interleaved(z, tile);
-}
-
-// R activation rows (their blocks ys[r], and per block ad[r] = d_a, as[r] = d_a * sum_a)
-// times the interleaved rows of `tile`; the first `here` outputs stored at out[r].
-template <int R>
-static inline void interleaved_rows_q4_1(int nb, const int32_t* tile, const float* dw,
-                                         const float* mw, const block_q8_1* const* ys,
-                                         const float* const* ad, const float* const* as,
-                                         float* const* out, int here) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    __m512i w[8];
-    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(tile + 128 * b + 16 * t);
-    __m512i s0[R], s1[R];
-    for (int r = 0; r < R; ++r) s0[r] = _mm512_setzero_si512(), s1[r] = _mm512_setzero_si512();
-    for (int t = 0; t < 8; t += 2)
-      for (int r = 0; r < R; ++r) {
-        const int32_t* q = reinterpret_cast<const int32_t*>(ys[r][b].qs);
-        s0[r] = _mm512_dpbusd_epi32(s0[r], w[t], _mm512_set1_epi32(q[t]));
-        s1[r] = _mm512_dpbusd_epi32(s1[r], w[t + 1], _mm512_set1_epi32(q[t + 1]));
-      }
-    const __m512 d = _mm512_loadu_ps(dw + 16 * b), m = _mm512_loadu_ps(mw + 16 * b);
-    for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(ad[r][b])), s, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(as[r][b]), acc[r]);
-    }
-  }
-  const __mmask16 mask = static_cast<__mmask16>((1u << here) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r], mask, acc[r]);
 }
 #else
 constexpr int kInterleavedRows = 8;
 
-// 32 values of 8 rows (r[i]) into `tile`: 8 registers' worth of 8 lanes, lane i of
-// register d holding values 4d..4d+3 of row i (the classic 8x8 transpose of dwords).
-static inline void store_interleaved(const __m256i r[8], int32_t* tile) {
-  __m256i u[8], v[8];
+// 32 values of each row (values(i): row i's, 32 bytes) interleaved into tile[8][8]: the
+// classic 8x8 transpose of dwords.
+template <typename Values>
+static inline void interleave_values(Values values, int32_t* tile) {
+  __m256i r[8], u[8], v[8];
+  for (int i = 0; i < 8; ++i) r[i] = values(i);
   for (int i = 0; i < 4; ++i) {
     u[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
     u[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
@@ -710,99 +495,249 @@ static inline void store_interleaved(const __m256i r[8], int32_t* tile) {
                         _mm256_permute2x128_si256(v[k], v[4 + k], 0x31));
   }
 }
+#endif
+constexpr int kW = kInterleavedRows;
 
-// Block b of 8 weight rows (x[i]; a null row reads as zeros), interleaved into `tile`.
-static inline void interleave_q4_1(const block_q4_1* const* x, int b, int32_t* tile) {
-  static const block_q4_1 kZero = {};
-  __m256i r[8];
-  for (int i = 0; i < 8; ++i) r[i] = bytes_from_nibbles_32((x[i] ? x[i][b] : kZero).qs);
-  store_interleaved(r, tile);
-}
-
+// The sums of 32 products of R activation rows with the interleaved rows of tile[8][kW]
+// (q[r]: the row's 32 activation values), one int32 lane per weight row.
+#ifdef PAGEDLLM_GGML_VNNI
+using LanesI = __m512i;
+using LanesF = __m512;
 template <int R>
-static inline void interleaved_rows_q4_1(int nb, const int32_t* tile, const float* dw,
-                                         const float* mw, const block_q8_1* const* ys,
-                                         const float* const* ad, const float* const* as,
-                                         float* const* out, int here) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    const int32_t* wb = tile + 64 * b;
-    __m256i p[R];  // 16-bit pair sums over the block: 8 x 2 x 15 x 128 fits
-    for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
-    for (int t = 0; t < 8; ++t) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 8 * t));
-      for (int r = 0; r < R; ++r) {
-        const int32_t* q = reinterpret_cast<const int32_t*>(ys[r][b].qs);
-        p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(q[t])));
-      }
-    }
-    const __m256 d = _mm256_loadu_ps(dw + 8 * b), m = _mm256_loadu_ps(mw + 8 * b);
+static inline void sums_32(const int32_t* tile, const int8_t* const* q, LanesI* s) {
+  __m512i s1[R];
+  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512(), s1[r] = _mm512_setzero_si512();
+  for (int t = 0; t < 8; t += 2) {
+    const __m512i w0 = _mm512_loadu_si512(tile + kW * t), w1 = _mm512_loadu_si512(tile + kW * (t + 1));
     for (int r = 0; r < R; ++r) {
-      const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[r], ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ad[r][b])), s, acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(as[r][b]), acc[r]);
+      const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
+      s[r] = _mm512_dpbusd_epi32(s[r], w0, _mm512_set1_epi32(a[t]));
+      s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(a[t + 1]));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float o[8];
-    _mm256_store_ps(o, acc[r]);
-    for (int i = 0; i < here; ++i) out[r][i] = o[i];
+  for (int r = 0; r < R; ++r) s[r] = _mm512_add_epi32(s[r], s1[r]);
+}
+static inline LanesI lanes_add(LanesI a, LanesI b) { return _mm512_add_epi32(a, b); }
+static inline LanesI lanes_mullo(LanesI a, LanesI b) { return _mm512_mullo_epi32(a, b); }
+static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
+  return _mm512_dpwssd_epi32(acc, a, _mm512_set1_epi32(b));
+}
+static inline LanesI lanes_zero_i() { return _mm512_setzero_si512(); }
+static inline LanesI lanes_neg(LanesI a) { return _mm512_sub_epi32(_mm512_setzero_si512(), a); }
+static inline LanesI lanes_load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
+static inline LanesF lanes_zero_f() { return _mm512_setzero_ps(); }
+static inline LanesF lanes_load_f(const float* p) { return _mm512_loadu_ps(p); }
+// acc + (d * da) * s, with s converted from int32
+static inline LanesF lanes_step(LanesF acc, LanesF d, float da, LanesI s) {
+  return _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(da)), _mm512_cvtepi32_ps(s), acc);
+}
+static inline LanesF lanes_fma(LanesF acc, LanesF m, float x) {
+  return _mm512_fmadd_ps(m, _mm512_set1_ps(x), acc);
+}
+static inline void lanes_store(float* out, LanesF v, int here) {
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << here) - 1), v);
+}
+#else
+using LanesI = __m256i;
+using LanesF = __m256;
+template <int R>
+static inline void sums_32(const int32_t* tile, const int8_t* const* q, LanesI* s) {
+  __m256i p[R];  // 16-bit pair sums over the 32 values: 8 x 2 x 15 x 128 fits
+  for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+  for (int t = 0; t < 8; ++t) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kW * t));
+    for (int r = 0; r < R; ++r) {
+      const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
+      p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(a[t])));
+    }
   }
+  for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(p[r], _mm256_set1_epi16(1));
+}
+static inline LanesI lanes_add(LanesI a, LanesI b) { return _mm256_add_epi32(a, b); }
+static inline LanesI lanes_mullo(LanesI a, LanesI b) { return _mm256_mullo_epi32(a, b); }
+static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(b)));
+}
+static inline LanesI lanes_zero_i() { return _mm256_setzero_si256(); }
+static inline LanesI lanes_neg(LanesI a) { return _mm256_sub_epi32(_mm256_setzero_si256(), a); }
+static inline LanesI lanes_load_i(const int32_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+static inline LanesF lanes_zero_f() { return _mm256_setzero_ps(); }
+static inline LanesF lanes_load_f(const float* p) { return _mm256_loadu_ps(p); }
+static inline LanesF lanes_step(LanesF acc, LanesF d, float da, LanesI s) {
+  return _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(da)), _mm256_cvtepi32_ps(s), acc);
+}
+static inline LanesF lanes_fma(LanesF acc, LanesF m, float x) {
+  return _mm256_fmadd_ps(m, _mm256_set1_ps(x), acc);
+}
+static inline void lanes_store(float* out, LanesF v, int here) {
+  alignas(32) float o[8];
+  _mm256_store_ps(o, v);
+  for (int i = 0; i < here; ++i) out[i] = o[i];
 }
 #endif
 
-static void panel_q4_1(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
-                       const uint8_t* activations, int64_t activation_stride, int rows,
-                       float* out, int64_t out_stride) {
-  constexpr int W = kInterleavedRows;
-  const int nb = n / QK4_1;
-  // Each activation row's d_a and d_a * sum_a per block, made once for the whole panel.
-  std::vector<float> scales(static_cast<size_t>(rows) * nb * 2);
-  for (int r = 0; r < rows; ++r) {
-    const block_q8_1* y = reinterpret_cast<const block_q8_1*>(activations + r * activation_stride);
-    float* ad = scales.data() + static_cast<size_t>(r) * nb * 2;
-    for (int b = 0; b < nb; ++b) {
-      ad[b] = fp16_to_fp32(y[b].d);
-      ad[nb + b] = ad[b] * static_cast<float>(y[b].sum);
+struct InterleavedQ4_1 {
+  static constexpr int kBlock = QK4_1;
+  using Weight = block_q4_1;
+  using Activation = block_q8_1;
+  struct Act {
+    float d, d_sum;  // d_a, d_a * sum_a
+  };
+  struct Tile {
+    int32_t q[8][kW];
+    float d[kW], m[kW];
+  };
+  static Act act(const block_q8_1& y) {
+    const float d = fp16_to_fp32(y.d);
+    return {d, d * static_cast<float>(y.sum)};
+  }
+  static void interleave(const block_q4_1* const* x, int b, Tile& t) {
+    static const block_q4_1 kZero = {};
+    interleave_values([&](int i) { return bytes_from_nibbles_32((x[i] ? x[i][b] : kZero).qs); },
+                      &t.q[0][0]);
+    for (int i = 0; i < kW; ++i) {
+      t.d[i] = x[i] ? fp16_to_fp32(x[i][b].d) : 0.f;
+      t.m[i] = x[i] ? fp16_to_fp32(x[i][b].m) : 0.f;
     }
   }
-  std::vector<int32_t> tile(static_cast<size_t>(nb) * 8 * W);
-  std::vector<float> dw(static_cast<size_t>(nb) * W), mw(static_cast<size_t>(nb) * W);
-  for (int64_t p0 = 0; p0 < count; p0 += W) {
-    const int here = static_cast<int>(std::min<int64_t>(W, count - p0));
-    const block_q4_1* x[W];
-    for (int i = 0; i < W; ++i)
-      x[i] = i < here ? reinterpret_cast<const block_q4_1*>(weights + (p0 + i) * row_bytes)
-                      : nullptr;
+  template <int R>
+  static void rows(int nb, const Tile* tile, const Activation* const* ys, const Act* const* a,
+                   float* const* out, int here) {
+    LanesF acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = lanes_zero_f();
     for (int b = 0; b < nb; ++b) {
-      interleave_q4_1(x, b, tile.data() + static_cast<size_t>(b) * 8 * W);
-      for (int i = 0; i < W; ++i) {
-        dw[W * b + i] = x[i] ? fp16_to_fp32(x[i][b].d) : 0.f;
-        mw[W * b + i] = x[i] ? fp16_to_fp32(x[i][b].m) : 0.f;
+      const int8_t* q[R];
+      for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs;
+      LanesI s[R];
+      sums_32<R>(&tile[b].q[0][0], q, s);
+      const LanesF d = lanes_load_f(tile[b].d), m = lanes_load_f(tile[b].m);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = lanes_step(acc[r], d, a[r][b].d, s[r]);
+        acc[r] = lanes_fma(acc[r], m, a[r][b].d_sum);
       }
     }
-    constexpr int kRows = 4;
+    for (int r = 0; r < R; ++r) lanes_store(out[r], acc[r], here);
+  }
+};
+
+struct InterleavedQ4K {
+  static constexpr int kBlock = QK_K;
+  using Weight = block_q4_K;
+  using Activation = block_q8_K;
+  struct Act {
+    float d;
+    int32_t sums[4];  // P_2k and P_2k+1, the sums over sub-blocks, as 16-bit pairs
+  };
+  struct Tile {
+    int32_t q[8][8][kW];  // per sub-block
+    int32_t scales[8][kW];
+    int32_t mins[4][kW];  // m_2k and m_2k+1 as 16-bit pairs
+    float d[kW], dmin[kW];
+  };
+  static Act act(const block_q8_K& y) {
+    Act a;
+    a.d = y.d;
+    const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.sums),
+                     _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
+                                    _mm256_extracti128_si256(q8sums, 1)));
+    return a;
+  }
+  static void interleave(const block_q4_K* const* x, int b, Tile& t) {
+    static const block_q4_K kZero = {};
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    for (int j = 0; j < 8; ++j) {
+      const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2));
+      interleave_values(
+          [&](int i) {
+            const uint8_t* qs = (x[i] ? x[i][b] : kZero).qs + 32 * (j / 2);
+            return _mm256_and_si256(
+                _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)), shift),
+                m4);
+          },
+          &t.q[j][0][0]);
+    }
+    uint32_t utmp[4];
+    for (int i = 0; i < kW; ++i) {
+      const block_q4_K& w = x[i] ? x[i][b] : kZero;
+      unpack_scales_mins_k4(w.scales, utmp);
+      const uint8_t* u = reinterpret_cast<const uint8_t*>(utmp);  // 8 scales, then 8 minimums
+      for (int j = 0; j < 8; ++j) t.scales[j][i] = u[j];
+      for (int k = 0; k < 4; ++k) t.mins[k][i] = u[8 + 2 * k] | (u[9 + 2 * k] << 16);
+      t.d[i] = fp16_to_fp32(w.d);
+      t.dmin[i] = fp16_to_fp32(w.dmin);
+    }
+  }
+  template <int R>
+  static void rows(int nb, const Tile* tile, const Activation* const* ys, const Act* const* a,
+                   float* const* out, int here) {
+    LanesF acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = lanes_zero_f();
+    for (int b = 0; b < nb; ++b) {
+      const Tile& tb = tile[b];
+      LanesI sums[R], s[R];
+      for (int r = 0; r < R; ++r) sums[r] = lanes_zero_i();
+      for (int j = 0; j < 8; ++j) {
+        const int8_t* q[R];
+        for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs + 32 * j;
+        sums_32<R>(&tb.q[j][0][0], q, s);
+        const LanesI sc = lanes_load_i(tb.scales[j]);
+        for (int r = 0; r < R; ++r) sums[r] = lanes_add(sums[r], lanes_mullo(s[r], sc));
+      }
+      const LanesF d = lanes_load_f(tb.d), dmin = lanes_load_f(tb.dmin);
+      for (int r = 0; r < R; ++r) {
+        LanesI m = lanes_zero_i();
+        for (int k = 0; k < 4; ++k) m = lanes_madd16(m, lanes_load_i(tb.mins[k]), a[r][b].sums[k]);
+        acc[r] = lanes_step(acc[r], d, a[r][b].d, sums[r]);
+        acc[r] = lanes_step(acc[r], dmin, a[r][b].d, lanes_neg(m));
+      }
+    }
+    for (int r = 0; r < R; ++r) lanes_store(out[r], acc[r], here);
+  }
+};
+
+// The interleaved panels' loops: kW weight rows at a time made into Kind::Tile blocks, then
+// the activation rows through them 4 at a time. What only the activations decide
+// (Kind::Act) is made once for the whole panel.
+template <typename Kind>
+static void interleaved_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                              const uint8_t* activations, int64_t activation_stride, int rows,
+                              float* out, int64_t out_stride) {
+  using Weight = typename Kind::Weight;
+  using Activation = typename Kind::Activation;
+  using Act = typename Kind::Act;
+  const int nb = n / Kind::kBlock;
+  auto activation_row = [&](int r) {
+    return reinterpret_cast<const Activation*>(activations + r * activation_stride);
+  };
+  std::vector<Act> acts(static_cast<size_t>(rows) * nb);
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < nb; ++b) acts[static_cast<size_t>(r) * nb + b] = Kind::act(activation_row(r)[b]);
+  std::vector<typename Kind::Tile> tile(nb);
+  constexpr int kRows = 4;
+  for (int64_t p0 = 0; p0 < count; p0 += kW) {
+    const int here = static_cast<int>(std::min<int64_t>(kW, count - p0));
+    const Weight* x[kW];
+    for (int i = 0; i < kW; ++i)
+      x[i] = i < here ? reinterpret_cast<const Weight*>(weights + (p0 + i) * row_bytes) : nullptr;
+    for (int b = 0; b < nb; ++b) Kind::interleave(x, b, tile[b]);
     for (int r0 = 0; r0 < rows; r0 += kRows) {
       const int group = std::min(kRows, rows - r0);
-      const block_q8_1* ys[kRows];
-      const float* ad[kRows];
-      const float* as[kRows];
+      const Activation* ys[kRows];
+      const Act* a[kRows];
       float* o[kRows];
       for (int r = 0; r < group; ++r) {
-        ys[r] = reinterpret_cast<const block_q8_1*>(activations + (r0 + r) * activation_stride);
-        ad[r] = scales.data() + static_cast<size_t>(r0 + r) * nb * 2;
-        as[r] = ad[r] + nb;
+        ys[r] = activation_row(r0 + r);
+        a[r] = acts.data() + static_cast<size_t>(r0 + r) * nb;
         o[r] = out + (r0 + r) * out_stride + p0;
       }
-      const float* w_d = dw.data();
-      const float* w_m = mw.data();
       switch (group) {
-        case 4: interleaved_rows_q4_1<4>(nb, tile.data(), w_d, w_m, ys, ad, as, o, here); break;
-        case 3: interleaved_rows_q4_1<3>(nb, tile.data(), w_d, w_m, ys, ad, as, o, here); break;
-        case 2: interleaved_rows_q4_1<2>(nb, tile.data(), w_d, w_m, ys, ad, as, o, here); break;
-        default: interleaved_rows_q4_1<1>(nb, tile.data(), w_d, w_m, ys, ad, as, o, here);
+        case 4: Kind::template rows<4>(nb, tile.data(), ys, a, o, here); break;
+        case 3: Kind::template rows<3>(nb, tile.data(), ys, a, o, here); break;
+        case 2: Kind::template rows<2>(nb, tile.data(), ys, a, o, here); break;
+        default: Kind::template rows<1>(nb, tile.data(), ys, a, o, here);
       }
     }
   }
@@ -814,12 +749,12 @@ struct Panel {
   static constexpr auto run = rows_panel<Kernel, Block>;
 };
 template <>
-struct Panel<RowsQ4K, block_q8_K> {
-  static constexpr auto run = panel_of<PanelQ4K>;
+struct Panel<InterleavedQ4K, block_q8_K> {
+  static constexpr auto run = interleaved_panel<InterleavedQ4K>;
 };
 template <>
-struct Panel<RowsQ4_1, block_q8_1> {
-  static constexpr auto run = panel_q4_1;
+struct Panel<InterleavedQ4_1, block_q8_1> {
+  static constexpr auto run = interleaved_panel<InterleavedQ4_1>;
 };
 #ifdef PAGEDLLM_GGML_VNNI
 template <>
