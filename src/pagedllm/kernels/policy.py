@@ -39,10 +39,13 @@ PANEL_GEMV_MAX_ROWS = 2
 # measured faster from 2 rows on, the same at 1 (docs/kernels.md has the figures).
 GGUF_GEMM_MIN_ROWS = 2
 
-# Q4_1's gemm method interleaves 16 weight rows (8 on AVX2) and applies each block's scales
-# once for all of them; it took less time than the one-row dot from one input row on, on
-# most layer shapes (docs/kernels.md has the figures), so it takes every Q4_1 product.
-GGUF_INTERLEAVED_MIN_ROWS = 1
+# Q4_1's and Q4_K's gemm methods interleave 16 weight rows (8 on AVX2) and apply each
+# block's scales once for all of them. Making the interleaved blocks costs more for Q4_K
+# (its sub-block scales and minimums) than for Q4_1, so each has its own threshold:
+# measured against the one-row dot, Q4_1's took less time from one input row on and Q4_K's
+# from 3 (docs/kernels.md has the figures).
+GGUF_Q4_1_GEMM_MIN_ROWS = 1
+GGUF_Q4_K_GEMM_MIN_ROWS = 3
 
 
 def decode_splits(work_items: int, workers: int, context_len: int) -> int:

@@ -65,10 +65,9 @@ using RowsPanel = void (*)(int n, const uint8_t* weights, int64_t row_bytes, int
 #error "PAGEDLLM_GGUF_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
 constexpr int64_t kGemmMinRows = PAGEDLLM_GGUF_GEMM_MIN_ROWS;
-#ifndef PAGEDLLM_GGUF_INTERLEAVED_MIN_ROWS
-#error "PAGEDLLM_GGUF_INTERLEAVED_MIN_ROWS must be defined by the build (kernels/policy.py)"
+#if !defined(PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS) || !defined(PAGEDLLM_GGUF_Q4_K_GEMM_MIN_ROWS)
+#error "PAGEDLLM_GGUF_Q4_1/Q4_K_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
-constexpr int64_t kInterleavedGemmMinRows = PAGEDLLM_GGUF_INTERLEAVED_MIN_ROWS;
 // Bytes of weight rows one tile of the gemm method holds: read from memory once, then from
 // the L2 cache by every group of input rows.
 constexpr int64_t kWeightTileBytes = 128 * 1024;
@@ -122,14 +121,14 @@ const GgufType kTypes[] = {
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0, RowsQ4_0, ggml::block_q8_0, kGemmMinRows)},
     {3, "Q4_1", 32, 20, 36,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_1, dot_q4_1, InterleavedQ4_1, ggml::block_q8_1,
-                           kInterleavedGemmMinRows)},
+                           PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS)},
     {6, "Q5_0", 32, 22, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0, RowsQ5_0, ggml::block_q8_0, kGemmMinRows)},
     {8, "Q8_0", 32, 34, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q8_0_q8_0, RowsQ8_0, ggml::block_q8_0, kGemmMinRows)},
     {12, "Q4_K", 256, 144, 292,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, dot_q4_K, InterleavedQ4K, ggml::block_q8_K,
-                           kInterleavedGemmMinRows)},
+                           PAGEDLLM_GGUF_Q4_K_GEMM_MIN_ROWS)},
     {13, "Q5_K", 256, 176, 292,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K, RowsQ5K, ggml::block_q8_K, kGemmMinRows)},
     {14, "Q6_K", 256, 210, 292,
