@@ -34,7 +34,7 @@ GEMV_MAX_ROWS = 8
 PANEL_GEMV_MAX_ROWS = 2
 
 # From this many input rows on, a linear layer on GGUF blocks of a type with a multi-row
-# kernel (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) unpacks each weight block once for
+# kernel (Q4_0, Q5_0, Q8_0, Q5_K, Q6_K; Q4_1 and Q4_K below) unpacks each weight block once for
 # several input rows (the "gemm" method of csrc/gguf_linear.cpp) instead of once per row:
 # measured faster from 2 rows on, the same at 1 (docs/kernels.md has the figures).
 GGUF_GEMM_MIN_ROWS = 2
