@@ -11,10 +11,11 @@
 // under another target); "auto" takes VNNI where cpu_features.h says so.
 //
 // With many input rows (prompt chunks, batched decode) the weights of every block type take
-// the "gemm" method (ggml_x86_gemm.h): each weight block is unpacked once for
-// kRowsAtOnce input rows, over tiles of weight rows that stay in cache while every group of
-// input rows passes. Its outputs equal the one-row "gemv" method's bit for bit; "auto" picks
-// it from PAGEDLLM_GGUF_GEMM_MIN_ROWS input rows on (kernels/policy.py, passed by the build).
+// the "gemm" method (ggml_x86_gemm.h): each weight block is unpacked once for several input
+// rows (Q4_1 and Q4_K: 16 weight rows interleaved, 8 on AVX2), over tiles of weight rows that
+// stay in cache while every group of input rows passes. Its outputs equal the one-row "gemv"
+// method's bit for bit; "auto" picks it from each type's threshold in kernels/policy.py
+// (passed by the build) on.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,6 +38,7 @@
 
 namespace pagedllm::gguf_avx2 {
 #include "ggml_x86_quants.h"
+#include "ggml_x86_interleaved.h"
 #include "ggml_x86_gemm.h"
 }  // namespace pagedllm::gguf_avx2
 
@@ -45,6 +47,7 @@ namespace pagedllm::gguf_avx2 {
 #define PAGEDLLM_GGML_VNNI
 namespace pagedllm::gguf_vnni {
 #include "ggml_x86_quants.h"
+#include "ggml_x86_interleaved.h"
 #include "ggml_x86_gemm.h"
 }  // namespace pagedllm::gguf_vnni
 #undef PAGEDLLM_GGML_VNNI
