@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from inspect_internals import pause, resume
 from live_server import LiveServer
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_trace import KVTrace
@@ -55,11 +56,11 @@ def start_load(live: LiveServer, count: int = 400, seed: int = 0) -> threading.T
     async def main() -> None:
         # Queue them all before the engine runs any: over a fake runner a request finishes
         # in milliseconds, sooner than the next one could be added.
-        live.engine.pause()
+        pause(live.engine)
         try:
             streams = [await live.engine.add_request(*r) for r in requests]
         finally:
-            live.engine.resume()
+            resume(live.engine)
         try:
             for stream in streams:
                 async for _ in stream:
@@ -84,7 +85,7 @@ class PauseWhenBusy(StepListener):
         if self.busy.is_set() or ran.num_running < self.running:
             return
         if ran.usage.used_blocks >= self.used_blocks:
-            self.live.engine.pause()
+            pause(self.live.engine)
             self.busy.set()
 
 

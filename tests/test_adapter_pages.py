@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from inspect_internals import block_table
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kv.adapter_pages import AdapterPoolConfig
 from pagedllm.kv.block_hash import prompt_block_hashes, root_hash
@@ -76,7 +77,7 @@ def test_load_pin_evict_and_reload_take_exact_pages() -> None:
     # Six blocks: the five free ones are not enough, so adapter 1 (LRU) goes; its pages
     # return to the front of the free queue and KV takes them first.
     assert kv.allocate_slots(100, 4 * 6)
-    assert kv.table(100).blocks == [0, 1, 2, 5, 6, 7]
+    assert block_table(kv, 100).blocks == [0, 1, 2, 5, 6, 7]
     assert set(ad.resident) == {2} and ad.num_evictions == 1
     u = kv.usage()
     assert (u.used_blocks, u.adapter_blocks, u.free_blocks, u.block_references) == (6, 2, 2, 6)
@@ -142,14 +143,14 @@ def test_admission_counts_pins_and_evicts_adapter_pages() -> None:
     assert not ad.resident and not kv.tables and kv.num_free_blocks == 8
     assert kv.admit([0], empty, 12, lora_id=1, lora_pages=5, lora_path="/a1")
     assert ad.resident[1].pages == (0, 1, 2, 3, 4) and ad.pins(1) == 1
-    assert kv.table(0).blocks == [5, 6, 7]
+    assert block_table(kv, 0).blocks == [5, 6, 7]
     assert kv.tables[0].lora_id == 1
     kv.free(0)
     kv.unpin_adapter(1)
     # Adapter 2 (4 pages) and 2 KV blocks: adapter 1 (unpinned) is evicted for them.
     assert kv.admit([1], empty, 8, lora_id=2, lora_pages=4, lora_path="/a2")
     assert ad.resident[2].pages == (0, 1, 2, 3)
-    assert kv.table(1).blocks == [4, 5]
+    assert block_table(kv, 1).blocks == [4, 5]
     assert rec.events == [
         ("load", 1, (0, 1, 2, 3, 4)),
         ("evict", 1, (0, 1, 2, 3, 4)),
@@ -191,7 +192,7 @@ def test_static_slots_are_a_fixed_split() -> None:
     ad.unpin(3)
     # KV gets the rest and never evicts an adapter from its slot.
     assert kv.allocate_slots(0, 16)
-    assert kv.table(0).blocks == [6, 7, 8, 9]
+    assert block_table(kv, 0).blocks == [6, 7, 8, 9]
     assert not kv.allocate_slots(0, 17)
     assert 3 in ad.resident
     with pytest.raises(InvalidParameterError) as e:
@@ -221,8 +222,8 @@ def test_prefix_cache_is_keyed_by_adapter() -> None:
     for seq_id, lora in enumerate((0, 1)):
         assert kv.admit([seq_id], empty, 9, lora_id=lora, lora_pages=2, lora_path="/a")
         kv.cache_computed_blocks(seq_id, prompt, 9)
-    base_blocks = kv.table(0).blocks[:2]
-    lora_blocks = kv.table(1).blocks[:2]
+    base_blocks = block_table(kv, 0).blocks[:2]
+    lora_blocks = block_table(kv, 1).blocks[:2]
     assert kv.allocator.cached_info(lora_blocks[0]).parent_hash == root_hash(1)  # type: ignore[union-attr]
     assert kv.allocator.cached_info(lora_blocks[0]).lora_id == 1  # type: ignore[union-attr]
     assert kv.allocator.cached_info(base_blocks[0]).parent_hash == b""  # type: ignore[union-attr]

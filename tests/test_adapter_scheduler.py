@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from inspect_internals import free_block_ids
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.core.scheduler_output import AdapterLoad, SchedulerOutput
 from pagedllm.core.sequence import Request, RequestStatus
@@ -107,7 +108,7 @@ def test_a_request_waits_for_adapter_pages_then_evicts_the_unpinned() -> None:
     finish(sched, a)
     assert sched.num_admissible() == 1  # adapter 1's pages count as available
     # Free now: 7, 8, 9, then a's cached 6 and 5 (least recently used last).
-    assert sched.kv.allocator.free_block_ids() == [7, 8, 9, 6, 5]
+    assert free_block_ids(sched.kv.allocator) == [7, 8, 9, 6, 5]
     out = run(sched)
     assert out.lora_loads == (AdapterLoad(2, "/adapters/2", (7, 8, 9, 6)),)
     assert out.lora_pages == {2: (7, 8, 9, 6)}
@@ -163,7 +164,7 @@ def test_preemption_unpins_and_readmission_reloads() -> None:
     assert 2 not in ad.resident and ad.pins(1) == 1 and ad.num_evictions == 1
     assert sched.num_preemptions == 1
     assert sched.kv.block_tables(a.seqs[0].seq_id) == ((2, 6, 8, 7, 5, 3),)
-    assert sched.kv.allocator.free_block_ids() == [4]
+    assert free_block_ids(sched.kv.allocator) == [4]
     finish(sched, a)
     out = run(sched)
     assert [s.request_id for s in out.seqs] == ["b"]

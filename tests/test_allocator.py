@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from inspect_internals import free_block_ids
 from pagedllm.errors import NoFreeBlocksError
 from pagedllm.kv.allocator import BlockAllocator
 from pagedllm.kv.block_hash import hash_block
@@ -13,13 +14,13 @@ from pagedllm.kv.block_table import BlockTable
 
 def test_allocate_and_free_exact_order() -> None:
     a = BlockAllocator(6)
-    assert a.free_block_ids() == [0, 1, 2, 3, 4, 5]
+    assert free_block_ids(a) == [0, 1, 2, 3, 4, 5]
     assert [a.allocate() for _ in range(3)] == [0, 1, 2]
-    assert a.free_block_ids() == [3, 4, 5]
+    assert free_block_ids(a) == [3, 4, 5]
     a.free(1)
     a.free(0)
     # Uncached blocks return to the front: the most recently freed is reused first.
-    assert a.free_block_ids() == [0, 1, 3, 4, 5]
+    assert free_block_ids(a) == [0, 1, 3, 4, 5]
     assert a.allocate_many(2) == [0, 1]
     assert a.num_free_blocks == 3 and a.num_used_blocks == 3
 
@@ -29,7 +30,7 @@ def test_allocate_many_is_all_or_nothing() -> None:
     a.allocate()
     with pytest.raises(NoFreeBlocksError):
         a.allocate_many(3)
-    assert a.free_block_ids() == [1, 2]
+    assert free_block_ids(a) == [1, 2]
 
 
 def test_reference_counts_and_errors() -> None:
@@ -38,9 +39,9 @@ def test_reference_counts_and_errors() -> None:
     a.incref(b)
     assert a.ref_count(b) == 2
     a.free(b)
-    assert a.ref_count(b) == 1 and b not in a.free_block_ids()
+    assert a.ref_count(b) == 1 and b not in free_block_ids(a)
     a.free(b)
-    assert a.ref_count(b) == 0 and a.free_block_ids()[0] == b
+    assert a.ref_count(b) == 0 and free_block_ids(a)[0] == b
     with pytest.raises(ValueError, match="double free"):
         a.free(b)
     with pytest.raises(ValueError, match="unknown KV block 9"):
@@ -63,7 +64,7 @@ def test_block_table_grows_only_when_full() -> None:
     # A request larger than the pool changes nothing.
     assert t.append_slots(4 * 9) is None and t.blocks == [0, 1, 2, 3] and t.num_tokens == 13
     t.free()
-    assert a.free_block_ids() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert free_block_ids(a) == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_fork_then_copy_on_write_of_the_shared_partial_block() -> None:
@@ -112,12 +113,12 @@ def test_prefix_cache_lookup_confirms_tokens_and_evicts_lru() -> None:
     for b in blocks:
         a.free(b)
     # Cached blocks wait behind uncached block 3, least recently freed first.
-    assert a.free_block_ids() == [3, 0, 1, 2]
+    assert free_block_ids(a) == [3, 0, 1, 2]
     # A hit takes block 1 back out of the middle of the queue.
     a.incref(1)
-    assert a.free_block_ids() == [3, 0, 2]
+    assert free_block_ids(a) == [3, 0, 2]
     a.free(1)
-    assert a.free_block_ids() == [3, 0, 2, 1]
+    assert free_block_ids(a) == [3, 0, 2, 1]
     assert a.allocate() == 3  # the worthless block goes first
     assert a.allocate() == 0  # then the LRU cached block, whose hash is forgotten
     assert lookup(a, b"", [1, 2]) is None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from inspect_internals import loop_running, pause, resume
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -86,7 +87,7 @@ def test_build_makes_the_engine_on_the_loop_thread(tiny_llama_dir: Path) -> None
     engine = AsyncLLMEngine.build(make)
     try:
         assert built_on[0] is not threading.current_thread()
-        assert engine.is_running
+        assert loop_running(engine)
         stepped_on = asyncio.run(engine.call(threading.current_thread))
         assert stepped_on is built_on[0]
         got = asyncio.run(run_to_end(engine, "a", PROMPTS[0]))
@@ -97,7 +98,7 @@ def test_build_makes_the_engine_on_the_loop_thread(tiny_llama_dir: Path) -> None
         assert engine.snapshot.usage.used_blocks == 0
     finally:
         engine.shutdown()
-    assert not engine.is_running
+    assert not loop_running(engine)
 
     def fail() -> LLMEngine:
         raise ValueError("no model here")
@@ -123,7 +124,7 @@ def test_idle_loop_does_not_spin(make_engine) -> None:
     assert steps >= GREEDY.max_tokens
     time.sleep(0.3)
     assert (engine.num_iterations, engine.snapshot.num_steps) == (iterations, steps)
-    assert engine.is_running and engine.healthy
+    assert loop_running(engine) and engine.healthy
 
 
 def test_exception_in_one_request_fails_only_that_request(make_engine, monkeypatch) -> None:
@@ -223,7 +224,7 @@ def test_leaving_a_stream_early_aborts_it(make_engine) -> None:
 
 def test_max_waiting_bounds_only_the_requests_beyond_what_can_be_admitted(make_engine) -> None:
     engine = make_engine(max_waiting=1, max_num_seqs=2)
-    engine.pause()  # nothing is scheduled: requests stay waiting
+    pause(engine)  # nothing is scheduled: requests stay waiting
 
     async def main() -> tuple[list[list[int]], int]:
         # Two sequence slots: two waiting requests could be admitted now, so they are not
@@ -232,7 +233,7 @@ def test_max_waiting_bounds_only_the_requests_beyond_what_can_be_admitted(make_e
         assert (await engine.call(engine.engine.snapshot)).backlog == 1
         with pytest.raises(EngineOverloadedError, match="max_waiting=1"):
             await engine.add_request("refused", PROMPTS[1], GREEDY)
-        engine.resume()
+        resume(engine)
         finals = [(await last(s)).outputs[0].token_ids for s in streams]
         return finals, await used_blocks(engine)
 
@@ -244,7 +245,7 @@ def test_every_request_of_a_group_counts_against_max_waiting(make_engine) -> Non
     """A group is queued whole only if it leaves the backlog within max_waiting: two
     sequence slots and max_waiting=3 take a group of 5, not one of 6, and none of it."""
     engine = make_engine(max_waiting=3, max_num_seqs=2)
-    engine.pause()
+    pause(engine)
 
     async def main() -> int:
         group = [(f"big{i}", PROMPTS[0], GREEDY) for i in range(6)]
@@ -253,7 +254,7 @@ def test_every_request_of_a_group_counts_against_max_waiting(make_engine) -> Non
         assert not engine.engine.has_unfinished_requests()  # all or nothing
         stream = await engine.add_requests(group[:5])
         assert (await engine.call(engine.engine.snapshot)).backlog == 3
-        engine.resume()
+        resume(engine)
         finals = [out async for out in stream if out.finished]
         assert len(finals) == 5
         return await used_blocks(engine)
@@ -310,7 +311,7 @@ def test_bad_request_raises_value_error(make_engine) -> None:
 
 def test_shutdown_fails_unfinished_requests(make_engine) -> None:
     engine = make_engine()
-    engine.pause()
+    pause(engine)
 
     async def main() -> None:
         stream = await engine.add_request("r", PROMPTS[0], GREEDY)
@@ -330,7 +331,7 @@ def test_drain_refuses_new_requests_and_end_unfinished_frees_the_running(make_en
     async def main() -> None:
         stream = await engine.add_request("r", PROMPTS[0], LONG)
         await stream.__anext__()  # running: it holds blocks
-        engine.pause()  # so that it cannot finish by itself
+        pause(engine)  # so that it cannot finish by itself
         engine.drain()
         with pytest.raises(EngineStoppedError, match="no new request"):
             await engine.add_request("new", PROMPTS[1], GREEDY)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from inspect_internals import grammar_cache_bytes, idle_worker_pids, num_compiles
 from pagedllm import StructuredOutputs
 from pagedllm.errors import EngineOverloadedError, InvalidParameterError
 from pagedllm.structured.grammar import GrammarCompiler
@@ -50,7 +51,7 @@ def slow(seed: int) -> StructuredOutputs:
 
 def test_a_compile_past_its_bound_is_killed_and_frees_its_place(tokenizer: Any) -> None:
     compiler = compiler_for(tokenizer, timeout_s=0.5, max_concurrent=1)
-    (pid,) = compiler.pool.pids
+    (pid,) = idle_worker_pids(compiler.pool)
     start = time.monotonic()
     with pytest.raises(InvalidParameterError) as e:
         compiler.compile(slow(1))
@@ -61,9 +62,9 @@ def test_a_compile_past_its_bound_is_killed_and_frees_its_place(tokenizer: Any) 
     # runs on holding the only place (the unfixed compiler refused it as busy).
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    assert compiler.pool.pids != [pid]
+    assert idle_worker_pids(compiler.pool) != [pid]
     assert compiler.compile(StructuredOutputs(regex="[xyz]{4}")) is not None
-    assert compiler.num_compiles == 3
+    assert num_compiles(compiler) == 3
     compiler.close()
 
 
@@ -94,7 +95,7 @@ def test_a_caller_with_no_worker_free_is_told_the_real_wait(tokenizer: Any) -> N
     busy = outcomes["C"]
     assert isinstance(busy, EngineOverloadedError), outcomes
     assert busy.retry_after_s is not None and 1.2 < busy.retry_after_s <= 3.0, busy.retry_after_s
-    assert compiler.num_compiles == 1 + 2  # C never compiled
+    assert num_compiles(compiler) == 1 + 2  # C never compiled
     compiler.close()
 
 
@@ -115,7 +116,7 @@ def test_a_changed_description_does_not_get_past_a_refusal(tokenizer: Any) -> No
         with pytest.raises(InvalidParameterError) as e:
             compiler.compile(StructuredOutputs(json=schema(note)))
         assert "did not compile within 0.5 s" in str(e.value)
-    assert compiler.num_compiles == 1 + 1  # the warm-up, then one compile: the others remembered
+    assert num_compiles(compiler) == 1 + 1  # the warm-up, then one compile: the others remembered
     compiler.close()
 
 
@@ -125,27 +126,27 @@ def test_the_kept_grammars_are_bounded_in_bytes(tokenizer: Any) -> None:
     choices = [StructuredOutputs(choice=words(300, seed)) for seed in range(8)]
     for spec in choices:
         assert compiler.compile(spec) is not None
-        assert 0 < compiler.cache_bytes <= bound
+        assert 0 < grammar_cache_bytes(compiler) <= bound
     # The latest are kept (compiling again starts nothing), the oldest were dropped.
-    before = compiler.num_compiles
+    before = num_compiles(compiler)
     compiler.compile(choices[-1])
-    assert compiler.num_compiles == before
+    assert num_compiles(compiler) == before
     compiler.compile(choices[0])
-    assert compiler.num_compiles == before + 1
-    assert compiler.cache_bytes <= bound
+    assert num_compiles(compiler) == before + 1
+    assert grammar_cache_bytes(compiler) <= bound
     compiler.close()
     # A grammar larger than the whole bound is used, never kept.
     tiny = compiler_for(tokenizer, cache_bytes=1000)
-    kept = tiny.cache_bytes
+    kept = grammar_cache_bytes(tiny)
     for _ in range(2):
         assert tiny.compile(choices[0]) is not None
-    assert tiny.cache_bytes == kept and tiny.num_compiles == 1 + 2
+    assert grammar_cache_bytes(tiny) == kept and num_compiles(tiny) == 1 + 2
     tiny.close()
 
 
 def test_a_worker_that_dies_fails_only_its_grammar(tokenizer: Any) -> None:
     compiler = compiler_for(tokenizer, timeout_s=60.0, max_concurrent=1)
-    (pid,) = compiler.pool.pids
+    (pid,) = idle_worker_pids(compiler.pool)
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -156,7 +157,7 @@ def test_a_worker_that_dies_fails_only_its_grammar(tokenizer: Any) -> None:
 
     thread = threading.Thread(target=run)
     thread.start()
-    while compiler.pool.pids:  # until the compile has taken the worker
+    while idle_worker_pids(compiler.pool):  # until the compile has taken the worker
         time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
     thread.join()

@@ -21,6 +21,7 @@ import pytest
 import zmq
 import zmq.auth
 
+from inspect_internals import wait_for_subscribers
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.kv_event_access import CLIENT_PUBLIC_KEYS_ENV, SERVER_SECRET_KEY_ENV
@@ -107,7 +108,7 @@ def subscribe(llm: LLM, sockets: list[zmq.Socket], **options: int) -> zmq.Socket
         socket.setsockopt(getattr(zmq, option), value)
     socket.setsockopt(zmq.SUBSCRIBE, b"")
     socket.connect(publisher.endpoint)
-    assert publisher.wait_for_subscribers(len(sockets))
+    assert wait_for_subscribers(publisher, len(sockets))
     return socket
 
 
@@ -354,8 +355,8 @@ def test_only_subscribers_with_an_allowed_key_receive_a_prompts_tokens(
     anyone = subscriber(None)  # no credentials at all
     stranger = subscriber(certificates["stranger_secret"])  # knows the server, not allowed
     router = subscriber(certificates["allowed_secret"])
-    assert publisher.wait_for_subscribers(1)
-    assert not publisher.wait_for_subscribers(2, timeout=1.0)  # the other two never got in
+    assert wait_for_subscribers(publisher, 1)
+    assert not wait_for_subscribers(publisher, 2, timeout=1.0)  # the other two never got in
     secret_prompt = list(range(101, 117))  # 4 full blocks of someone's prompt
     llm.generate([ids(secret_prompt)], SamplingParams(max_tokens=1), use_tqdm=False)
     assert router.poll(10_000)

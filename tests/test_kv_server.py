@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from inspect_internals import recorder_attached, retained_records
 from live_server import LiveServer, check_error, start_server
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -140,7 +141,7 @@ def test_events_stream_rebuilds_the_pool(server: LiveServer) -> None:
         assert kind == "snapshot" and first["pool"]["num_blocks"] == 64
         feed = server.app.state.kv_feed
         assert feed.subscribers == 1
-        wait_until(lambda: feed.attached, "the recorder is attached")
+        wait_until(lambda: recorder_attached(feed), "the recorder is attached")
         thread = threading.Thread(target=drive, args=(server, workload(12)))
         thread.start()
         thread.join()
@@ -163,7 +164,7 @@ def test_a_disconnect_frees_the_listener(server: LiveServer) -> None:
         wait_until(lambda: feed.subscribers == 0, "the subscriber is gone")
         wait_until(lambda: engine.kv.listener is None, "the recorder is detached")
         assert engine.kv.listener is None and engine.kv.allocator.listener is None
-        assert feed.retained_records == 0
+        assert retained_records(feed) == 0
 
 
 def test_a_stalled_reader_costs_bounded_memory() -> None:
@@ -178,7 +179,7 @@ def test_a_stalled_reader_costs_bounded_memory() -> None:
     try:
         client.connect(("127.0.0.1", live.port))
         client.sendall(b"GET /kv/events HTTP/1.1\r\nHost: x\r\n\r\n")
-        wait_until(lambda: feed.attached, "the recorder is attached")
+        wait_until(lambda: recorder_attached(feed), "the recorder is attached")
         drive(live, workload(40, "warm"))
         tracemalloc.start()
         gc.collect()
@@ -188,7 +189,7 @@ def test_a_stalled_reader_costs_bounded_memory() -> None:
         gc.collect()
         grown = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
-        assert feed.retained_records <= 64
+        assert retained_records(feed) <= 64
         assert grown < 4 * 2**20, f"memory grew by {grown} bytes"
         steps = live.engine.snapshot.num_steps
         assert steps > 4 * feed.max_records, steps
@@ -263,7 +264,7 @@ def test_token_text_only_with_kv_view_text(chat_model_dir: Path, text: bool) -> 
             messages = sse_messages(r.iter_lines())
             next(messages)
             feed = live.app.state.kv_feed
-            wait_until(lambda: feed.attached, "the recorder is attached")
+            wait_until(lambda: recorder_attached(feed), "the recorder is attached")
             client = live.client()
             # Two prompts that share no prefix, so their blocks are fresh and get text.
             client.completions.create(model="tiny", prompt="Hello there, friend", max_tokens=3)

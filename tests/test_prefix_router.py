@@ -20,6 +20,7 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
+from inspect_internals import known_replicas
 from pagedllm.entrypoints.ray_serve.prefix_router import (
     PrefixAwareRouter,
     prompt_block_hashes,
@@ -149,9 +150,9 @@ def test_a_dead_replica_takes_its_state_along() -> None:
         router.update_replicas([a, b])  # type: ignore[list-item]
         first = await router.choose_replicas([a, b], pending(PROMPT))  # type: ignore[list-item]
         assert first[0][0] is a  # and the router remembers the prompt went to `a`
-        assert router.known_replicas() == {a.replica_id, b.replica_id}
+        assert known_replicas(router) == {a.replica_id, b.replica_id}
         router.on_replica_actor_died(a.replica_id)
-        assert router.known_replicas() == {b.replica_id}
+        assert known_replicas(router) == {b.replica_id}
         assert set(router.curr_replicas) == {b.replica_id}
         # Ray Serve brings up a replacement: a new replica id, known from its own stats.
         new = StandInReplica("a2", {"cached": hashes[:3]})
@@ -160,7 +161,7 @@ def test_a_dead_replica_takes_its_state_along() -> None:
         return [[r.replica_id.unique_id for r in rank] for rank in ranks]
 
     assert asyncio.run(scenario()) == [["a2"], ["b"]]
-    assert router.known_replicas() == {b.replica_id, ReplicaID("a2", DEPLOYMENT)}
+    assert known_replicas(router) == {b.replica_id, ReplicaID("a2", DEPLOYMENT)}
 
 
 def test_a_replica_leaving_the_set_is_forgotten() -> None:
@@ -174,7 +175,7 @@ def test_a_replica_leaving_the_set_is_forgotten() -> None:
         router.update_replicas([b])  # type: ignore[list-item]  # scaled down, or replaced
 
     asyncio.run(scenario())
-    assert router.known_replicas() == {b.replica_id}  # its (empty) stats set stays
+    assert known_replicas(router) == {b.replica_id}  # its (empty) stats set stays
     assert len(router._recent) == 0  # the prompt's blocks had gone to `a`
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from inspect_internals import block_table
 from pagedllm.core.reservation import reserve_tokens
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.core.sequence import Request, Sequence
@@ -58,7 +59,7 @@ def _request(sched: Scheduler, rid: str, policy: str, prompt: int, output: int) 
 
 
 def _blocks(sched: Scheduler, rid: str) -> int:
-    return len(sched.kv.table(sched.requests[rid].seqs[0].seq_id))
+    return len(block_table(sched.kv, sched.requests[rid].seqs[0].seq_id))
 
 
 # prompt 20, output 30 (50 tokens in all), block size 16, max_model_len 256
@@ -76,7 +77,7 @@ def test_blocks_held_over_a_request_life(policy: str) -> None:
         step = sched.schedule()
         sched.update_from_output(step)
         req = sched.requests["a"]
-        table = sched.kv.table(req.seqs[0].seq_id)
+        table = block_table(sched.kv, req.seqs[0].seq_id)
         held.append(len(table))
         if policy == "paged":
             assert len(table) == -(-table.num_tokens // BS)
@@ -148,7 +149,7 @@ def test_engine_reserves_at_admission_and_outputs_agree(tiny_loaded) -> None:
         engine.add_request("r", list(range(3, 23)), params)
         engine.step()  # admission and the whole 20-token prompt
         seq_id = engine.scheduler.requests["r"].seqs[0].seq_id
-        assert len(engine.kv.table(seq_id)) == ADMITTED_BLOCKS[policy]
+        assert len(block_table(engine.kv, seq_id)) == ADMITTED_BLOCKS[policy]
         tokens = []
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -28,6 +28,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inspect_internals import block_table, free_block_ids, runner_tables
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
 from pagedllm.core.scheduler_output import ScheduledSeq, SchedulerOutput, TableEdit
 from pagedllm.core.sequence import Request
@@ -91,7 +92,7 @@ class CountingRunner(FakeModelRunner):
             self.mismatches.append("the list and tensor copies hold different rows")
         for i, s in enumerate(step.seqs):
             want = kv.block_tables(s.seq_id)
-            got = self.tables.tables_of(s.seq_id)
+            got = runner_tables(self.tables, s.seq_id)
             # The step's tables as the real runner gathers them, each row padded with 0.
             padded = [[*t, *[0] * (gathered[g].shape[1] - len(t))] for g, t in enumerate(want)]
             if got != want or [gathered[g][i].tolist() for g in range(len(want))] != padded:
@@ -101,7 +102,7 @@ class CountingRunner(FakeModelRunner):
     def edited(self, step: SchedulerOutput) -> list[tuple[TableEdit, tuple[int, ...]]]:
         """Each edit of the step with the runner's table it applies to (before the step)."""
         return [
-            (e, self.tables.tables_of(s.seq_id)[g])
+            (e, runner_tables(self.tables, s.seq_id)[g])
             for s in step.seqs
             for g, e in enumerate(s.table_edits)
             if e is not None
@@ -131,7 +132,7 @@ def check_invariants(sched: Scheduler) -> None:
     refs = Counter(b for t in kv.tables.values() for b in t.blocks)
     pages = adapter_pages(kv)
     assert not pages.keys() & refs.keys()
-    free = alloc.free_block_ids()
+    free = free_block_ids(alloc)
     assert len(free) == len(set(free))
     for block in range(alloc.num_blocks):
         assert alloc.ref_count(block) == refs.get(block, 0) + (block in pages)
@@ -455,18 +456,18 @@ def test_group_readmission_never_gives_a_hit_away() -> None:
     assert kv.allocate_slots(998, 8)  # another request takes the two uncached blocks
     kv.free(999)
     # Only cached blocks are free, s1's hit queued for eviction ahead of 999's two.
-    assert all(kv.allocator.cached_info(b) is not None for b in kv.allocator.free_block_ids())
+    assert all(kv.allocator.cached_info(b) is not None for b in free_block_ids(kv.allocator))
     evictions = kv.allocator.num_evictions
     sched.schedule()
     assert kv.allocator.num_evictions == evictions + 2
     assert sched.running == [req]
     for seq in (s0, s1):
         assert seq.seq_id in kv.tables  # readmitted, so what follows checks something
-        for i, block in enumerate(kv.table(seq.seq_id).blocks):
+        for i, block in enumerate(block_table(kv, seq.seq_id).blocks):
             info = kv.allocator.cached_info(block)
             if info is not None:
                 assert info.token_ids == tuple(seq.token_ids[i * 4 : (i + 1) * 4])
-        assert all(kv.allocator.ref_count(b) == 1 for b in kv.table(seq.seq_id).blocks[1:])
+        assert all(kv.allocator.ref_count(b) == 1 for b in block_table(kv, seq.seq_id).blocks[1:])
 
 
 def test_the_engine_over_a_fake_runner_never_imports_torch() -> None:
@@ -520,7 +521,7 @@ def test_runner_rows_take_the_lowest_free_row_and_apply_changes_in_place() -> No
     assert gathered[1] == [[4, 5], [6, 3], [2, 0]]  # zeros past each table
     assert gathered[3] == [[2, 0], [5, 5], [1, 0]]  # row 1 was cleared for 14
     assert tables.row_of == batch.mirror.row_of == {12: 2, 13: 0, 14: 1}
-    assert [tables.tables_of(i) for i in (12, 13, 14)] == [((2,),), ((1,),), ((5, 5),)]
+    assert [runner_tables(tables, i) for i in (12, 13, 14)] == [((2,),), ((1,),), ((5, 5),)]
     with pytest.raises(RuntimeError, match="no tables of it"):
         tables.apply(step(seq(15, (1,), False)))
 
@@ -556,7 +557,7 @@ def test_runner_rows_apply_truncations_and_nulls_in_place() -> None:
     assert gathered[1] == [[4, 5, 0], [8, 9, 3]]  # zeros past the shortened row
     assert gathered[2] == [[null, 5, 10], [8, 9, 3]]
     assert gathered[3] == [[null, null, 11], [null, null, 3]]
-    assert tables.tables_of(1) == batch.mirror.tables_of(1) == ((null, null, 11),)
+    assert runner_tables(tables, 1) == runner_tables(batch.mirror, 1) == ((null, null, 11),)
     with pytest.raises(RuntimeError, match="does not fit"):
         tables.apply(step(seq(2, (), TableEdit(keep=4))))
 

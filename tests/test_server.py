@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from inspect_internals import pause, resume
 from live_server import (
     CHAT,
     NAME,
@@ -148,7 +149,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server: LiveServer) -> None:
         with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = (line for line in r.iter_lines() if line.startswith("data: "))
             next(lines), next(lines)
-            server.engine.pause()  # the request now cannot finish on its own
+            pause(server.engine)  # the request now cannot finish on its own
             assert server.metrics()["pagedllm:kv_blocks_used"] > 0
         server.wait_metrics(kv_blocks_used=0, num_requests_running=0)
         # A non-streaming request whose client gives up (once the request is queued) is
@@ -164,7 +165,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server: LiveServer) -> None:
             server.wait_metrics(num_requests_waiting=1)
         server.wait_metrics(kv_blocks_used=0, num_requests_waiting=0)
     finally:
-        server.engine.resume()
+        resume(server.engine)
     values = server.metrics()
     assert values['pagedllm:request_finished_total{finished_reason="abort"}'] == aborted + 2
     # The non-streaming one is a client disconnect (499), not a server error.
@@ -229,7 +230,7 @@ def test_overload_gets_503_with_retry_after(chat_model_dir: Path) -> None:
     # One sequence slot: one waiting request can be admitted, the next is the backlog.
     live = start_server(chat_model_dir, {"max_num_seqs": 1}, max_waiting=1)
     engine = live.engine
-    engine.pause()
+    pause(engine)
     url = live.url + "/v1/completions"
     body = {"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
     try:
@@ -241,13 +242,13 @@ def test_overload_gets_503_with_retry_after(chat_model_dir: Path) -> None:
             r = httpx.post(url, json=body)
             check_error(r, 503, code="server_overloaded", words=("max_waiting=1",))
             assert r.headers["retry-after"] == "1"
-            engine.resume()
+            resume(engine)
             for stream in (first, second):
                 assert [line for line in stream.iter_lines() if line][-1] == "data: [DONE]"
         assert httpx.post(url, json=body).status_code == 200
         live.assert_pool_whole()
     finally:
-        engine.resume()
+        resume(engine)
         live.close()
 
 
@@ -258,7 +259,7 @@ def test_every_prompt_of_a_batch_counts_against_max_waiting(chat_model_dir: Path
         chat_model_dir, {"max_num_seqs": 4}, max_waiting=8, max_prompts_per_request=1000
     )
     engine = live.engine
-    engine.pause()
+    pause(engine)
     url = live.url + "/v1/completions"
     body = {"model": NAME, "max_tokens": 2, "temperature": 0, "stream": True}
     try:
@@ -275,11 +276,11 @@ def test_every_prompt_of_a_batch_counts_against_max_waiting(chat_model_dir: Path
                 r = httpx.post(url, json={**body, "prompt": extra})
                 check_error(r, 503, code="server_overloaded")
             assert live.metrics()["pagedllm:num_requests_waiting"] == 12
-            engine.resume()
+            resume(engine)
             assert [line for line in fits.iter_lines() if line][-1] == "data: [DONE]"
         live.assert_pool_whole()
     finally:
-        engine.resume()
+        resume(engine)
         live.close()
 
 
@@ -300,7 +301,7 @@ def test_max_waiting_lets_an_idle_server_take_a_burst_it_has_room_for(
     """20 simultaneous requests, max_waiting=4, 128 free sequence slots: all are served."""
     engine = server.engine
     engine.max_waiting = 4
-    engine.pause()  # all 20 wait together
+    pause(engine)  # all 20 wait together
     body = {"model": NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
 
     async def main() -> list[int]:
@@ -309,14 +310,14 @@ def test_max_waiting_lets_an_idle_server_take_a_burst_it_has_room_for(
                 asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(20)
             ]
             await asyncio.to_thread(server.wait_metrics, num_requests_waiting=20)
-            engine.resume()
+            resume(engine)
             return [r.status_code for r in await asyncio.gather(*tasks)]
 
     try:
         assert asyncio.run(main()) == [200] * 20
     finally:
         engine.max_waiting = None
-        engine.resume()
+        resume(engine)
     server.assert_pool_whole()
 
 

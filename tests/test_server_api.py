@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from inspect_internals import pause, resume
 from live_server import (
     CHAT,
     NAME,
@@ -86,11 +87,11 @@ def test_a_client_leaving_a_batch_aborts_every_prompt(server: LiveServer) -> Non
         with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = (line for line in r.iter_lines() if line.startswith("data: "))
             next(lines), next(lines)
-            server.engine.pause()  # neither can finish on its own now
+            pause(server.engine)  # neither can finish on its own now
             assert server.metrics()["pagedllm:kv_blocks_used"] > 0
         server.wait_metrics(kv_blocks_used=0, num_requests_running=0, num_requests_waiting=0)
     finally:
-        server.engine.resume()
+        resume(server.engine)
     after = server.metrics()['pagedllm:request_finished_total{finished_reason="abort"}']
     assert after == aborted + 2
 

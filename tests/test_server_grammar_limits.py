@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from inspect_internals import grammar_cache_bytes, num_compiles
 from live_server import CHAT, NAME, LiveServer, check_error, start_server
 
 
@@ -38,7 +39,7 @@ def nested_arrays_schema(depth: int) -> dict[str, Any]:
 def compiles(server: LiveServer) -> int:
     """Grammar compiles started so far (none before the compiler is built)."""
     compiler = server.engine.engine.grammars._compiler
-    return 0 if compiler is None else compiler.num_compiles
+    return 0 if compiler is None else num_compiles(compiler)
 
 
 def test_deep_json_anywhere_in_a_request_is_a_400_naming_its_field(server: LiveServer) -> None:
@@ -137,8 +138,8 @@ def test_the_engine_thread_never_compiles(chat_model_dir) -> None:
             r = post(server, "completions", max_tokens=4, guided_regex="[ef]{4}")
             assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) == 4, r.text
         compiler = server.engine.engine.grammars.compiler
-        assert compiler.num_compiles == 2  # nothing cached: compiled for each request
-        assert compiler.cache_bytes == 0
+        assert num_compiles(compiler) == 2  # nothing cached: compiled for each request
+        assert grammar_cache_bytes(compiler) == 0
         assert all(t.startswith("pagedllm-grammar") for t in compiler.compiles_by_thread)
         server.assert_pool_whole()
     finally:

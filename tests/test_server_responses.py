@@ -16,6 +16,7 @@ import pytest
 from openai.types.responses import Response
 from pydantic import BaseModel, Field
 
+from inspect_internals import pause, resume
 from live_server import NAME, LiveServer, check_error, event_models
 from pagedllm.entrypoints.server.chat_template import encode_chat
 
@@ -195,10 +196,10 @@ def test_a_stream_the_engine_ends_closes_with_an_error_event(server: LiveServer)
             events.append(event)
             if event.type == "response.output_text.delta" and len(events) == 5:
                 # No step runs while paused: the request is ended long before its end.
-                server.engine.pause()
+                pause(server.engine)
                 server.engine.end_unfinished("the engine is shutting down")
     finally:
-        server.engine.resume()
+        resume(server.engine)
     last = events[-1]
     assert last.type == "error" and last.code == "server_shutting_down", last
     assert "shutting down" in last.message

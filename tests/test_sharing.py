@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_oracle import load_hf
+from inspect_internals import block_table, free_block_ids
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.loader import load_model
@@ -30,13 +31,13 @@ def test_copy_on_write_copies_once_and_leaves_the_parent_untouched(tiny_llama_di
     cache.data.normal_()
     parent_before = cache.data.clone()
     kv.fork(0, 1)
-    assert kv.table(1).blocks == [0, 1]
+    assert block_table(kv, 1).blocks == [0, 1]
     assert [kv.allocator.ref_count(b) for b in (0, 1)] == [2, 2]
     assert kv.usage().shared_blocks == 2 and kv.usage().blocks_saved_by_sharing == 2
     # The child writes token 6, inside shared block 1: one copy, into a fresh block.
     assert kv.allocate_slots(1, 7)
     copies = kv.take_copies()
-    assert copies == [(1, 2)] and kv.table(1).blocks == [0, 2]
+    assert copies == [(1, 2)] and block_table(kv, 1).blocks == [0, 2]
     cache.copy_blocks(copies)
     cache.data[:, :, 2, 2] = 7.0  # the child's new token
     assert torch.equal(cache.data[:, :, :2], parent_before[:, :, :2])  # parent untouched
@@ -44,7 +45,7 @@ def test_copy_on_write_copies_once_and_leaves_the_parent_untouched(tiny_llama_di
     # The parent now owns block 1 alone and writes in place; full blocks never copy.
     assert kv.allocate_slots(0, 7) and kv.take_copies() == []
     assert kv.allocate_slots(1, 9) and kv.take_copies() == []
-    assert kv.table(1).blocks == [0, 2, 3] and kv.allocator.ref_count(0) == 2
+    assert block_table(kv, 1).blocks == [0, 2, 3] and kv.allocator.ref_count(0) == 2
 
 
 def test_parallel_sampling_prefills_once_and_shares_the_prompt(tiny_llama_dir) -> None:
@@ -56,7 +57,7 @@ def test_parallel_sampling_prefills_once_and_shares_the_prompt(tiny_llama_dir) -
     engine.step()
     req = engine.scheduler.requests["a"]
     assert len(req.seqs) == 4
-    tables = [engine.kv.table(s.seq_id).blocks for s in req.seqs]
+    tables = [block_table(engine.kv, s.seq_id).blocks for s in req.seqs]
     assert all(t == tables[0] for t in tables)
     assert [engine.kv.allocator.ref_count(b) for b in tables[0]] == [4, 4, 4]
     usage = engine.usage()
@@ -178,15 +179,15 @@ def test_prefix_cache_evicts_least_recently_used_first() -> None:
     for seq_id, tokens in ((0, a), (1, b)):
         assert kv.allocate_slots(seq_id, len(tokens))
         kv.cache_computed_blocks(seq_id, tokens, len(tokens))
-    assert kv.table(0).blocks == [0, 1, 2] and kv.table(1).blocks == [3, 4, 5]
+    assert block_table(kv, 0).blocks == [0, 1, 2] and block_table(kv, 1).blocks == [3, 4, 5]
     kv.free(0)
     kv.free(1)
     # Tails first, so a prefix's head outlives its tail; uncached block 2 and 5 lead.
-    assert kv.allocator.free_block_ids() == [5, 2, 1, 0, 4, 3]
+    assert free_block_ids(kv.allocator) == [5, 2, 1, 0, 4, 3]
     assert kv.lookup_prefix([a])[0].tables == ((0, 1),)
-    assert kv.allocate_slots(2, 2) and kv.table(2).blocks == [5]
-    assert kv.allocate_slots(3, 2) and kv.table(3).blocks == [2]
-    assert kv.allocate_slots(4, 2) and kv.table(4).blocks == [1]  # evicts a's second block
+    assert kv.allocate_slots(2, 2) and block_table(kv, 2).blocks == [5]
+    assert kv.allocate_slots(3, 2) and block_table(kv, 3).blocks == [2]
+    assert kv.allocate_slots(4, 2) and block_table(kv, 4).blocks == [1]  # evicts a's second block
     assert kv.lookup_prefix([a])[0].tables == ((0,),)
     assert kv.lookup_prefix([b])[0].tables == ((3, 4),)
 

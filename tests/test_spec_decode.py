@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hf_oracle import make_tiny_model
+from inspect_internals import block_table
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
 from pagedllm.entrypoints.cli import build_parser
@@ -96,7 +97,7 @@ def test_prefix_cache_hashes_only_accepted_tokens(tiny_llama_dir, prompts, plain
         engine.step()
         for req in engine.scheduler.running:
             seq = req.seqs[0]
-            table = kv.table(seq.seq_id)
+            table = block_table(kv, seq.seq_id)
             assert table.num_tokens == req.num_computed_tokens  # no rejected slot left
             assert len(table.blocks) == -(-table.num_tokens // 4)
             for j, block in enumerate(table.blocks):

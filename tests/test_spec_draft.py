@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from hf_oracle import hf_greedy, load_hf, make_tiny_model
+from inspect_internals import block_table
 from live_server import NAME, build_chat_model, start_server
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
@@ -157,7 +158,7 @@ def test_a_step_checks_the_proposals_drawn_after_the_step_before(
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         for req in engine.scheduler.running:
-            assert kv.table(req.seqs[0].seq_id).num_tokens == req.num_computed_tokens
+            assert block_table(kv, req.seqs[0].seq_id).num_tokens == req.num_computed_tokens
     assert [done[str(i)] for i in range(len(prompts))] == plain
     assert kv.num_free_blocks == kv.num_blocks
     checked = 0

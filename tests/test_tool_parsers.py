@@ -35,7 +35,15 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 
 
 def parse(text: str) -> tuple[str | None, list[ParsedCall]]:
-    return HermesToolParser(FUNCTIONS).parse(text)
+    """A whole output through the Hermes parser -> (its content, None if only whitespace
+    around calls; its calls)."""
+    parser = HermesToolParser(FUNCTIONS)
+    pieces = parser.feed(text) + parser.finish()
+    content = "".join(p.text for p in pieces)
+    calls = [p.call for p in pieces if p.call is not None]
+    if calls:
+        content = content.strip()
+    return (content or None) if calls else content, calls
 
 
 def test_hermes_one_call_with_text_around() -> None:

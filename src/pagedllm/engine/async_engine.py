@@ -73,6 +73,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # While True the loop runs commands but never steps: the tests set it (under
+        # `_cond`) to hold requests where they are.
         self._paused = False
         self._grammar_threads: ThreadPoolExecutor | None = None  # started at first use
         self._draining = False
@@ -117,10 +119,6 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
     def healthy(self) -> bool:  # False once the loop thread died without being shut down
         return self._thread is None or self._thread.is_alive()
 
@@ -159,16 +157,6 @@ class AsyncLLMEngine:
                 self._fail(request_id, error)
 
         self._submit(run)
-
-    def pause(self) -> None:
-        """Stop stepping: requests are still added and aborted, but make no progress."""
-        with self._cond:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread, after every command submitted before it."""

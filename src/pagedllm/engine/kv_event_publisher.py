@@ -3,11 +3,11 @@
 The engine's thread only puts a step's events in a bounded queue (`publish`, never
 blocking); the publisher's thread encodes each batch (engine/kv_event_wire.py) and sends
 it as three frames: topic, 8-byte big-endian sequence number, payload. The socket is an
-XPUB (a PUB that also sees subscriptions, so `wait_for_subscribers` can tell when one
-listens); like any PUB it drops what a subscriber too slow to take it cannot hold (its
-high-water mark), and sends nothing anywhere while no one subscribes. A full queue drops
-the batch and counts it (`num_dropped`); the sequence number still advances, so a
-subscriber sees the gap. Nothing a subscriber does (or fails to do) holds the engine.
+XPUB (a PUB that also sees subscriptions: it counts them, so one can tell when a
+subscriber listens); like any PUB it drops what a subscriber too slow to take it cannot
+hold (its high-water mark), and sends nothing anywhere while no one subscribes. A full
+queue drops the batch and counts it (`num_dropped`); the sequence number still advances,
+so a subscriber sees the gap. Nothing a subscriber does (or fails to do) holds the engine.
 
 The publisher binds its endpoint and subscribers connect to it: `tcp://127.0.0.1:5557`
 (this machine only), `tcp://*:5557` (every interface, when allowed), port `*` for any free one
@@ -57,6 +57,8 @@ class KVEventPublisher:
         # (sequence number, batch): numbered as published, so a dropped batch is a gap
         # exactly where it was.
         self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(max_queue)
+        # Subscriptions known so far, under `_subscribed` (notified on each change): the
+        # tests wait on it before publishing.
         self._subscribers = 0
         self._subscribed = threading.Condition()
         self._seq = itertools.count()
@@ -92,11 +94,6 @@ class KVEventPublisher:
             self._queue.put_nowait((seq, batch))
         except queue.Full:
             self.num_dropped += 1
-
-    def wait_for_subscribers(self, n: int = 1, timeout: float = 10.0) -> bool:
-        """Block until `n` subscriptions are known (True), or `timeout` seconds pass."""
-        with self._subscribed:
-            return self._subscribed.wait_for(lambda: self._subscribers >= n, timeout)
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued (for up to `timeout` seconds), then stop."""

@@ -73,10 +73,6 @@ class BlockAllocator:
         self._check(block)
         return self._ref_counts[block]
 
-    def free_block_ids(self) -> list[int]:
-        """Free blocks in the order they will be allocated."""
-        return list(self._free)
-
     def cached_info(self, block: int) -> CachedBlock | None:
         return self._cached_info.get(block)
 

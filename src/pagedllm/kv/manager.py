@@ -156,10 +156,6 @@ class KVCacheManager:
             return True
         return self.adapters is not None and self.adapters.evict_for(num_blocks)
 
-    def table(self, seq_id: int, group: int = 0) -> BlockTable:
-        """The sequence's block table of layer group `group`."""
-        return self.tables[seq_id].groups[group]
-
     def block_tables(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
         """The sequence's block tables, one per group, as plain data for the worker."""
         return tuple(tuple(t.blocks) for t in self.tables[seq_id].groups)

@@ -91,12 +91,6 @@ class CompilePool:
         for worker in idle:
             worker.kill()
 
-    @property
-    def pids(self) -> list[int]:
-        """The idle workers' process ids (for tests)."""
-        with self._cond:
-            return [w.process.pid for w in self._idle if w.process.pid is not None]
-
     def _take(self) -> tuple[_Worker, object]:
         job = object()
         give_up = time.monotonic() + self.timeout_s

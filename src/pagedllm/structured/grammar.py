@@ -77,15 +77,6 @@ class GrammarCompiler:
         # grammar threads, never the engine's (for tests and figures)
         self.compiles_by_thread: Counter[str] = Counter()
 
-    @property
-    def num_compiles(self) -> int:
-        return sum(self.compiles_by_thread.values())
-
-    @property
-    def cache_bytes(self) -> int:
-        """What the kept compiled grammars take, in bytes."""
-        return self._cache.nbytes
-
     def compile(self, spec: StructuredOutputs, param: str | None = None) -> Any:
         """The compiled grammar of `spec` (cached); InvalidParameterError naming `param`
         (default `structured_outputs.<kind>`) if it cannot be compiled within the bound;

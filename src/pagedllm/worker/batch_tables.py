@@ -133,14 +133,6 @@ class BatchTables:
             self.store.clear(g, row, self.lengths[g][row])
             self.lengths[g][row] = 0
 
-    def tables_of(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
-        """The runner's copy of the sequence's tables, one per layer group (to check it
-        against the scheduler's)."""
-        row = self.row_of[seq_id]
-        return tuple(
-            tuple(self.store.read(g, row, self.lengths[g][row])) for g in range(self.num_groups)
-        )
-
     def table_len(self, seq_id: int, group: int = 0) -> int:
         """The entries of the sequence's table in `group`."""
         return self.lengths[group][self.row_of[seq_id]]

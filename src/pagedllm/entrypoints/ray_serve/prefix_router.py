@@ -120,10 +120,6 @@ class PrefixAwareRouter(RequestRouter):
             self._forget(self._live - live)
             self._live = live
 
-    def known_replicas(self) -> set[ReplicaID]:
-        """The replicas the router holds state for (stats sets or recent choices)."""
-        return set(self._held) | {replica_id for replica_id, _ in self._recent.values()}
-
     def _forget(self, gone: set[ReplicaID] | frozenset[ReplicaID]) -> None:
         if not gone:
             return

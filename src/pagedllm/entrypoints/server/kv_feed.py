@@ -88,14 +88,6 @@ class KVFeed:
             self._held_events = 0
 
     # ---------------------------------------------------------- event loop
-    @property
-    def retained_records(self) -> int:
-        return self._head - self._tail
-
-    @property
-    def attached(self) -> bool:
-        return self._recorder is not None
-
     async def snapshot(self) -> tuple[Record, int]:
         """A snapshot taken on the engine thread; callers at the same time share one."""
         if self._snapshot is None:

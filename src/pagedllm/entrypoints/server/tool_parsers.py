@@ -59,15 +59,6 @@ class ToolParser(ABC):
     def finish(self) -> list[Piece]:
         """The pieces left at the end of the output."""
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """A whole output -> (its content, None if only whitespace; its calls)."""
-        pieces = self.feed(text) + self.finish()
-        content = "".join(p.text for p in pieces)
-        calls = [p.call for p in pieces if p.call is not None]
-        if calls:
-            content = content.strip()
-        return (content or None) if calls else content, calls
-
 
 class HermesToolParser(ToolParser):
     START, END = CALL_START, CALL_END
