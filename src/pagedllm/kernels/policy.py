@@ -34,18 +34,23 @@ GEMV_MAX_ROWS = 8
 PANEL_GEMV_MAX_ROWS = 2
 
 # From this many input rows on, a linear layer on GGUF blocks of a type with a multi-row
-# kernel (Q4_0, Q5_0, Q8_0, Q5_K, Q6_K; Q4_1 and Q4_K below) unpacks each weight block once for
+# kernel (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; Q4_1 below) unpacks each weight block once for
 # several input rows (the "gemm" method of csrc/gguf_linear.cpp) instead of once per row:
 # measured faster from 2 rows on, the same at 1 (docs/kernels.md has the figures).
 GGUF_GEMM_MIN_ROWS = 2
 
-# Q4_1's and Q4_K's gemm methods interleave 16 weight rows (8 on AVX2) and apply each
-# block's scales once for all of them. Making the interleaved blocks costs more for Q4_K
-# (its sub-block scales and minimums) than for Q4_1, so each has its own threshold:
-# measured against the one-row dot, Q4_1's took less time from one input row on and Q4_K's
-# from 3 (docs/kernels.md has the figures).
+# Q4_1's gemm method interleaves 16 weight rows (8 on AVX2) and applies each block's scales
+# once for all of them; measured against the one-row dot, it took less time from one input
+# row on.
 GGUF_Q4_1_GEMM_MIN_ROWS = 1
-GGUF_Q4_K_GEMM_MIN_ROWS = 3
+
+# Q4_K's and Q6_K's gemm methods (from GGUF_GEMM_MIN_ROWS rows) interleave the weight rows
+# likewise from these many input rows on; below, they unpack one weight row at a time for
+# all the input rows, with the same arithmetic. Making the interleaved blocks (their
+# sub-block scales, Q6_K's high bits) costs more than it saves below these counts
+# (docs/kernels.md has the figures).
+GGUF_Q4_K_INTERLEAVED_MIN_ROWS = 3
+GGUF_Q6_K_INTERLEAVED_MIN_ROWS = 6
 
 
 def decode_splits(work_items: int, workers: int, context_len: int) -> int:

@@ -1,13 +1,12 @@
-// Several activation rows at once (the "gemm" method). Q5_K, Q6_K, Q8_0, Q4_0 and Q5_0: one
-// weight row times R (1..kRowsPerDot; 8 for the VNNI build's Q6_K) rows of activation
-// blocks, each weight block loaded and unpacked once for all R rows (its nibbles, high bits
+// Several activation rows at once (the "gemm" method). Q5_K, Q8_0, Q4_0 and Q5_0: one
+// weight row times R (1..kRowsPerDot) rows of activation blocks, each weight block loaded and unpacked once for all R rows (its nibbles, high bits
 // and scales), where ggml_x86_quants.h's dot products unpack it once per row. Each row's
 // arithmetic is the one-row function's, step for step (the same int32 sums, the same fp32
 // lanes summed in the same order), so the outputs equal the one-row kernels' bit for bit;
 // only the loop over rows moved inside the loop over blocks.
 //
-// Q4_1 and Q4_K: interleaved weight rows with an arithmetic of their own, which their
-// one-row dots share (ggml_x86_interleaved.h, included before this file).
+// Q4_1, Q4_K and Q6_K: interleaved weight rows with an arithmetic of their own, which their
+// one-row dots share (ggml_x86_interleaved.h, included after this file).
 //
 // Included by gguf_linear.cpp right after ggml_x86_quants.h, in the same namespaces (AVX2,
 // and AVX-512 VNNI where mul_sum_us8_pairs_float uses `dpbusd`), so no include guard.
@@ -15,7 +14,7 @@
 
 // Activation rows per pass over a tile of weight rows. The 256-bit kernels below take them
 // 4 at a time (R rows' accumulators and the unpacked block fit in the 16 vector registers of
-// AVX2), each weight row while it is in L1; the VNNI build's Q6_K panel takes all 8 at once.
+// AVX2), each weight row while it is in L1.
 static constexpr int kRowsAtOnce = 8;
 static constexpr int kRowsPerDot = 4;
 
@@ -92,69 +91,6 @@ struct RowsQ5K {
                                  acc[r]);
     }
     for (int r = 0; r < R; ++r) out[r * out_stride] = hsum_float_8(acc[r]) + summs[r];
-  }
-};
-
-struct RowsQ6K {
-  template <int R>
-  static void run(int n, const void* vx, ActivationRows<block_q8_K> ys, float* out,
-                  int64_t out_stride) {
-    const block_q6_K* x = static_cast<const block_q6_K*>(vx);
-    const int nb = n / QK_K;
-    const __m256i m3 = _mm256_set1_epi8(3);
-    const __m256i m15 = _mm256_set1_epi8(15);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-
-    for (int i = 0; i < nb; ++i) {
-      const float xd = fp16_to_fp32(x[i].d);
-      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[i].scales));
-      const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
-      __m256i sumi[R];
-      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-
-      for (int j = 0; j < QK_K / 128; ++j) {
-        const __m256i* q4 = reinterpret_cast<const __m256i*>(x[i].ql) + 2 * j;
-        const __m256i q4bits1 = _mm256_loadu_si256(q4);
-        const __m256i q4bits2 = _mm256_loadu_si256(q4 + 1);
-        const __m256i q4bitsH =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qh) + j);
-
-        const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
-        const __m256i q4h_1 =
-            _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
-        const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
-        const __m256i q4h_3 =
-            _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
-        const __m256i q6[4] = {
-            _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
-            _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3),
-        };
-        __m256i scale[4];
-        for (int s = 0; s < 4; ++s)
-          scale[s] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(4 * j + s)));
-        for (int r = 0; r < R; ++r) {
-          const __m256i* q8 = reinterpret_cast<const __m256i*>(ys[r][i].qs) + 4 * j;
-          __m256i p16[4];
-          for (int s = 0; s < 4; ++s)
-            p16[s] = _mm256_madd_epi16(
-                scale[s], _mm256_maddubs_epi16(q6[s], _mm256_loadu_si256(q8 + s)));
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16[0], p16[1]));
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16[2], p16[3]));
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const block_q8_K& y = ys[r][i];
-        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
-        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-        const float d = y.d * xd;
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d),
-                                 _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], q8sclsub)), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum_float_8(acc[r]);
   }
 };
 
@@ -262,115 +198,3 @@ static void rows_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t
       }
   }
 }
-
-// A panel of `Panel` (PanelQ6K): groups of up to kRowsAtOnce activation rows.
-template <typename Panel>
-static void panel_of(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
-                     const uint8_t* activations, int64_t activation_stride, int rows,
-                     float* out, int64_t out_stride) {
-  static_assert(kRowsAtOnce == 8, "one case per row count");
-  for (int g = 0; g < rows; g += kRowsAtOnce) {
-    const ActivationRows<block_q8_K> ys{activations + g * activation_stride, activation_stride};
-    float* o = out + g * out_stride;
-    switch (std::min(kRowsAtOnce, rows - g)) {
-      case 8: Panel::template run<8>(n, weights, row_bytes, count, ys, o, out_stride); break;
-      case 7: Panel::template run<7>(n, weights, row_bytes, count, ys, o, out_stride); break;
-      case 6: Panel::template run<6>(n, weights, row_bytes, count, ys, o, out_stride); break;
-      case 5: Panel::template run<5>(n, weights, row_bytes, count, ys, o, out_stride); break;
-      case 4: Panel::template run<4>(n, weights, row_bytes, count, ys, o, out_stride); break;
-      case 3: Panel::template run<3>(n, weights, row_bytes, count, ys, o, out_stride); break;
-      case 2: Panel::template run<2>(n, weights, row_bytes, count, ys, o, out_stride); break;
-      default: Panel::template run<1>(n, weights, row_bytes, count, ys, o, out_stride);
-    }
-  }
-}
-
-#ifdef PAGEDLLM_GGML_VNNI
-// Q6_K in the VNNI build: a panel of weight rows times up to 8 activation rows. A register
-// holds two of RowsQ6K's 32-value chunks
-// (s = 0, 1 or 2, 3 of a 128-value half), each with its own scales and high bits, as the
-// activations lie.
-struct PanelQ6K {
-template <int R>
-static void run(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
-                ActivationRows<block_q8_K> ys, float* out, int64_t out_stride) {
-  const int nb = n / QK_K;
-  const __m512i m15 = _mm512_set1_epi8(15);
-  // Chunks 0 and 1 take the high bits 0-1 and 2-3 of qh, moved to bits 4-5; chunks 2 and 3
-  // take bits 4-5 (in place) and 6-7 (moved down 2).
-  const __m512i high_01 = _mm512_inserti64x4(_mm512_set1_epi8(3), _mm256_set1_epi8(12), 1);
-  const __m512i shift_01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-  const __m512i high_23 =
-      _mm512_inserti64x4(_mm512_set1_epi8(48), _mm256_set1_epi8(-64), 1);
-  const __m512i shift_23 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-  for (int64_t j = 0; j < count; ++j) {
-    const block_q6_K* x = reinterpret_cast<const block_q6_K*>(weights + j * row_bytes);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-      const float xd = fp16_to_fp32(x[i].d);
-      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[i].scales));
-      const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
-      __m512i sumi[R];
-      for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-      for (int h = 0; h < QK_K / 128; ++h) {
-        const __m512i ql = _mm512_loadu_si512(x[i].ql + 64 * h);
-        const __m512i qh = _mm512_broadcast_i64x4(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qh) + h));
-        const __m512i q6_01 = _mm512_or_si512(
-            _mm512_and_si512(ql, m15),
-            _mm512_sllv_epi16(_mm512_and_si512(qh, high_01), shift_01));
-        const __m512i q6_23 = _mm512_or_si512(
-            _mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
-            _mm512_srlv_epi16(_mm512_and_si512(qh, high_23), shift_23));
-        __m256i scale[4];
-        for (int c = 0; c < 4; ++c)
-          scale[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(4 * h + c)));
-        const __m512i scale_01 =
-            _mm512_inserti64x4(_mm512_castsi256_si512(scale[0]), scale[1], 1);
-        const __m512i scale_23 =
-            _mm512_inserti64x4(_mm512_castsi256_si512(scale[2]), scale[3], 1);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* q8 = ys[r][i].qs + 128 * h;
-          sumi[r] = _mm512_dpwssd_epi32(
-              sumi[r], scale_01, _mm512_maddubs_epi16(q6_01, _mm512_loadu_si512(q8)));
-          sumi[r] = _mm512_dpwssd_epi32(
-              sumi[r], scale_23, _mm512_maddubs_epi16(q6_23, _mm512_loadu_si512(q8 + 64)));
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const block_q8_K& y = ys[r][i];
-        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
-        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-        const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]),
-                                           _mm512_extracti64x4_epi64(sumi[r], 1));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y.d * xd),
-                                 _mm256_cvtepi32_ps(_mm256_sub_epi32(s, q8sclsub)), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) out[r * out_stride + j] = hsum_float_8(acc[r]);
-  }
-}
-};
-
-#endif
-
-// The panel each kernel's type takes: rows_panel's loop, unless it has its own.
-template <typename Kernel, typename Block>
-struct Panel {
-  static constexpr auto run = rows_panel<Kernel, Block>;
-};
-template <>
-struct Panel<InterleavedQ4K, block_q8_K> {
-  static constexpr auto run = interleaved_panel<InterleavedQ4K>;
-};
-template <>
-struct Panel<InterleavedQ4_1, block_q8_1> {
-  static constexpr auto run = interleaved_panel<InterleavedQ4_1>;
-};
-#ifdef PAGEDLLM_GGML_VNNI
-template <>
-struct Panel<RowsQ6K, block_q8_K> {
-  static constexpr auto run = panel_of<PanelQ6K>;
-};
-#endif

@@ -1,12 +1,14 @@
-// The gemm method of Q4_1 and Q4_K: interleaved weight rows, and the one-row dots that
-// share their arithmetic (see below). dot_q4_K follows ggml v0.20.2's ggml_vec_dot_q4_K_q8_K
-// (MIT license, notice in ggml_x86_quants.h) up to its float steps.
+// The gemm method of Q4_1, Q4_K and Q6_K: interleaved weight rows, and the one-row dots that
+// share their arithmetic (see below). dot_q4_K and dot_q6_K follow ggml v0.20.2's
+// ggml_vec_dot_q4_K_q8_K and ggml_vec_dot_q6_K_q8_K (MIT license, notice in
+// ggml_x86_quants.h) up to their float steps.
 //
-// Included by gguf_linear.cpp after ggml_x86_quants.h and before ggml_x86_gemm.h (whose
-// Panel trait names these kernels), in the same namespaces, so no include guard.
+// Included by gguf_linear.cpp after ggml_x86_quants.h and ggml_x86_gemm.h, in the same
+// namespaces, so no include guard. It ends with the Panel trait that names every type's
+// gemm kernel.
 
-// Q4_1 and Q4_K, interleaved. A block's scales cost float steps that a 32-value block
-// (Q4_1) leaves little integer work to hide, and that K-quants must apply per 32 values; so
+// Q4_1, Q4_K and Q6_K, interleaved. A block's scales cost float steps that a 32-value block
+// (Q4_1) leaves little integer work to hide, and that K-quants must apply per 32 or 16 values; so
 // these panels take 16 weight rows (VNNI build; 8 in the AVX2 build) at once with their
 // 4-value groups interleaved: lane i of register t holds values 4t..4t+3 of row i, and one
 // vpdpbusd (AVX2: vpmaddubsw, the 16-bit sums added over 32 values, then one vpmaddwd) with
@@ -19,6 +21,14 @@
 //   Q4_K: I = sum over sub-blocks j of sc_j * (sum of q_w * q_a over j), M = sum of m_j * P_j
 //         (P_j: the activations' sum over j), both exact in int32;
 //         acc = fma(d_w * d_a, I, acc);  acc = fma(dmin_w * d_a, -M, acc)
+//   Q6_K: I = sum over the 16 sub-blocks j of sc_j * (sum of u_w * q_a over j) - 32 * M, where
+//         u_w = q_w + 32 (0..63) and M = sum of sc_j * P_j, all exact in int32;
+//         acc = fma(d_w * d_a, I, acc)
+
+#if !defined(PAGEDLLM_GGUF_Q4_K_INTERLEAVED_MIN_ROWS) || \
+    !defined(PAGEDLLM_GGUF_Q6_K_INTERLEAVED_MIN_ROWS)
+#error "PAGEDLLM_GGUF_Q4_K/Q6_K_INTERLEAVED_MIN_ROWS must be defined by the build (kernels/policy.py)"
+#endif
 
 // The sum of an int32 vector's lanes (hsum_i32_8 is ggml's).
 static inline int32_t hsum_i32_4(__m128i s) {
@@ -43,39 +53,115 @@ static float dot_q4_1(int n, const void* vx, const void* vy) {
   return acc;
 }
 
-static float dot_q4_K(int n, const void* vx, const void* vy) {
-  const block_q4_K* x = static_cast<const block_q4_K*>(vx);
-  const block_q8_K* y = static_cast<const block_q8_K*>(vy);
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-  uint32_t utmp[4];
-  float acc = 0.f;
-  for (int b = 0; b < n / QK_K; ++b) {
-    unpack_scales_mins_k4(x[b].scales, utmp);
-    const __m256i mins_and_scales =
-        _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-    const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
-    const __m256i scales = _mm256_set_m128i(sc128, sc128);
-    __m256i sumi = _mm256_setzero_si256();
-    for (int c = 0; c < QK_K / 64; ++c) {
-      const __m256i q4bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs) + c);
-      const __m256i* q8 = reinterpret_cast<const __m256i*>(y[b].qs) + 2 * c;
-      const __m256i p16l = _mm256_madd_epi16(
-          _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c)),
-          _mm256_maddubs_epi16(_mm256_and_si256(q4bits, m4), _mm256_loadu_si256(q8)));
-      const __m256i p16h = _mm256_madd_epi16(
-          _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 1)),
-          _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4),
-                               _mm256_loadu_si256(q8 + 1)));
-      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+// Q4_K for a few rows (below GGUF_Q4_K_INTERLEAVED_MIN_ROWS): each weight block unpacked
+// once for R activation rows, with the interleaved method's arithmetic; R = 1 is the
+// one-row dot.
+struct RowsQ4K {
+  template <int R>
+  static void run(int n, const void* vx, ActivationRows<block_q8_K> ys, float* out,
+                  int64_t out_stride) {
+    const block_q4_K* x = static_cast<const block_q4_K*>(vx);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    uint32_t utmp[4];
+    float acc[R] = {};
+    for (int b = 0; b < n / QK_K; ++b) {
+      unpack_scales_mins_k4(x[b].scales, utmp);
+      const __m256i mins_and_scales =
+          _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+      const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
+      const __m256i scales = _mm256_set_m128i(sc128, sc128);
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      for (int c = 0; c < QK_K / 64; ++c) {
+        const __m256i q4bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs) + c);
+        const __m256i q4l = _mm256_and_si256(q4bits, m4);
+        const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+        const __m256i scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c));
+        const __m256i scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * c + 1));
+        for (int r = 0; r < R; ++r) {
+          const __m256i* q8 = reinterpret_cast<const __m256i*>(ys[r][b].qs) + 2 * c;
+          const __m256i p16l =
+              _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, _mm256_loadu_si256(q8)));
+          const __m256i p16h =
+              _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, _mm256_loadu_si256(q8 + 1)));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p16l, p16h));
+        }
+      }
+      const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
+      const float xd = fp16_to_fp32(x[b].d), xdmin = fp16_to_fp32(x[b].dmin);
+      for (int r = 0; r < R; ++r) {
+        const block_q8_K& y = ys[r][b];
+        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
+        const __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
+                                           _mm256_extracti128_si256(q8sums, 1));
+        const int32_t m = hsum_i32_4(_mm_madd_epi16(mins, q8s));
+        acc[r] = fmaf(xd * y.d, static_cast<float>(hsum_i32_8(sumi[r])), acc[r]);
+        acc[r] = fmaf(xdmin * y.d, static_cast<float>(-m), acc[r]);
+      }
     }
-    const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].bsums));
-    const __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
-                                       _mm256_extracti128_si256(q8sums, 1));
-    const int32_t m = hsum_i32_4(_mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s));
-    acc = fmaf(fp16_to_fp32(x[b].d) * y[b].d, static_cast<float>(hsum_i32_8(sumi)), acc);
-    acc = fmaf(fp16_to_fp32(x[b].dmin) * y[b].d, static_cast<float>(-m), acc);
+    for (int r = 0; r < R; ++r) out[r * out_stride] = acc[r];
   }
-  return acc;
+};
+
+static float dot_q4_K(int n, const void* vx, const void* vy) {
+  float out;
+  RowsQ4K::run<1>(n, vx, {static_cast<const uint8_t*>(vy), 0}, &out, 0);
+  return out;
+}
+
+// Values 32g..32g+31 of a Q6_K block as unsigned 6-bit bytes (q + 32): the low 4 bits
+// from ql (bytes 64h + 32(c%2).., low or high nibble by c/2), the high 2 from qh (bytes
+// 32h.., bits 2c and 2c+1), for g = 4h + c, as ggml lays them out.
+static inline __m256i q6_values_32(const block_q6_K& x, int g) {
+  const int h = g / 4, c = g % 4;
+  const __m256i ql =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ql + 64 * h + 32 * (c % 2)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qh + 32 * h));
+  const __m256i low =
+      _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (c / 2))), _mm256_set1_epi8(15));
+  const __m256i high = _mm256_slli_epi16(
+      _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3)), 4);
+  return _mm256_or_si256(low, high);
+}
+
+// Q6_K for a few rows (below GGUF_Q6_K_INTERLEAVED_MIN_ROWS, where interleaving 16 weight
+// rows costs more than it saves): each weight block unpacked once for R activation rows,
+// with the interleaved method's arithmetic; R = 1 is the one-row dot.
+struct RowsQ6K {
+  template <int R>
+  static void run(int n, const void* vx, ActivationRows<block_q8_K> ys, float* out,
+                  int64_t out_stride) {
+    const block_q6_K* x = static_cast<const block_q6_K*>(vx);
+    float acc[R] = {};
+    for (int b = 0; b < n / QK_K; ++b) {
+      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales));
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      for (int g = 0; g < QK_K / 32; ++g) {
+        const __m256i q6 = q6_values_32(x[b], g);
+        const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(g)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i q8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ys[r][b].qs) + g);
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(scale, _mm256_maddubs_epi16(q6, q8)));
+        }
+      }
+      const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+      const float xd = fp16_to_fp32(x[b].d);
+      for (int r = 0; r < R; ++r) {
+        const block_q8_K& y = ys[r][b];
+        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
+        const int32_t m = hsum_i32_8(_mm256_madd_epi16(q8sums, scales_16));
+        acc[r] = fmaf(xd * y.d, static_cast<float>(hsum_i32_8(sumi[r]) - 32 * m), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = acc[r];
+  }
+};
+
+static float dot_q6_K(int n, const void* vx, const void* vy) {
+  float out;
+  RowsQ6K::run<1>(n, vx, {static_cast<const uint8_t*>(vy), 0}, &out, 0);
+  return out;
 }
 
 #ifdef PAGEDLLM_GGML_VNNI
@@ -169,6 +255,21 @@ static inline void sums_32(const int32_t* tile, const int8_t* const* q, LanesI* 
   }
   for (int r = 0; r < R; ++r) s[r] = _mm512_add_epi32(s[r], s1[r]);
 }
+// acc[r] += sc * (the sum of 16 products of activation row r, q[r], with the interleaved
+// rows of tile[4][16]); sc: lane_scale of each row's scale
+template <int R>
+static inline void add_scaled_16(const int32_t* tile, const int8_t* const* q, __m512i sc,
+                                 __m512i* acc) {
+  __m512i w[4];
+  for (int t = 0; t < 4; ++t) w[t] = _mm512_loadu_si512(tile + kW * t);
+  for (int r = 0; r < R; ++r) {
+    const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
+    for (int t = 1; t < 4; ++t) s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(a[t]));
+    acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(s, sc));
+  }
+}
+static inline int32_t lane_scale(int8_t sc) { return sc; }
 static inline LanesI lanes_add(LanesI a, LanesI b) { return _mm512_add_epi32(a, b); }
 static inline LanesI lanes_mullo(LanesI a, LanesI b) { return _mm512_mullo_epi32(a, b); }
 static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
@@ -176,6 +277,9 @@ static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
 }
 static inline LanesI lanes_zero_i() { return _mm512_setzero_si512(); }
 static inline LanesI lanes_neg(LanesI a) { return _mm512_sub_epi32(_mm512_setzero_si512(), a); }
+static inline LanesI lanes_sub_32x(LanesI a, LanesI b) {  // a - 32 * b
+  return _mm512_sub_epi32(a, _mm512_slli_epi32(b, 5));
+}
 static inline LanesI lanes_load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
 static inline LanesF lanes_zero_f() { return _mm512_setzero_ps(); }
 static inline LanesF lanes_load_f(const float* p) { return _mm512_loadu_ps(p); }
@@ -205,6 +309,29 @@ static inline void sums_32(const int32_t* tile, const int8_t* const* q, LanesI* 
   }
   for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(p[r], _mm256_set1_epi16(1));
 }
+// acc[r] += sc * (the sum of 16 products of activation row r, q[r], with the interleaved
+// rows of tile[4][8]); sc: lane_scale of each row's scale, a 16-bit pair, so that one
+// vpmaddwd both adds a lane's pair sums and scales them (two 16-bit sums of 8 products:
+// 8 x 63 x 128 fits where 16 would not)
+template <int R>
+static inline void add_scaled_16(const int32_t* tile, const int8_t* const* q, __m256i sc,
+                                 __m256i* acc) {
+  __m256i w[4];
+  for (int t = 0; t < 4; ++t) w[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kW * t));
+  for (int r = 0; r < R; ++r) {
+    const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
+    __m256i p[2];
+    for (int h = 0; h < 2; ++h)
+      p[h] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * h], _mm256_set1_epi32(a[2 * h])),
+                              _mm256_maddubs_epi16(w[2 * h + 1], _mm256_set1_epi32(a[2 * h + 1])));
+    acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p[0], sc),
+                                                       _mm256_madd_epi16(p[1], sc)));
+  }
+}
+static inline int32_t lane_scale(int8_t sc) {
+  const uint32_t half = static_cast<uint16_t>(sc);
+  return static_cast<int32_t>(half | half << 16);
+}
 static inline LanesI lanes_add(LanesI a, LanesI b) { return _mm256_add_epi32(a, b); }
 static inline LanesI lanes_mullo(LanesI a, LanesI b) { return _mm256_mullo_epi32(a, b); }
 static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
@@ -212,6 +339,9 @@ static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
 }
 static inline LanesI lanes_zero_i() { return _mm256_setzero_si256(); }
 static inline LanesI lanes_neg(LanesI a) { return _mm256_sub_epi32(_mm256_setzero_si256(), a); }
+static inline LanesI lanes_sub_32x(LanesI a, LanesI b) {  // a - 32 * b
+  return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 5));
+}
 static inline LanesI lanes_load_i(const int32_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
@@ -340,6 +470,60 @@ struct InterleavedQ4K {
   }
 };
 
+struct InterleavedQ6K {
+  static constexpr int kBlock = QK_K;
+  using Weight = block_q6_K;
+  using Activation = block_q8_K;
+  struct Act {
+    float d;
+    int32_t sums[8];  // P_2k and P_2k+1, the sums over sub-blocks, as 16-bit pairs
+  };
+  struct Tile {
+    int32_t q[8][8][kW];  // per 32 values: dwords 0-3 are sub-block 2g, 4-7 sub-block 2g+1
+    int32_t scales[16][kW];      // lane_scale(sc_j)
+    int32_t scale_pairs[8][kW];  // sc_2k and sc_2k+1 as 16-bit pairs
+    float d[kW];
+  };
+  static Act act(const block_q8_K& y) {
+    Act a;
+    a.d = y.d;
+    memcpy(a.sums, y.bsums, sizeof(a.sums));
+    return a;
+  }
+  static void interleave(const block_q6_K* const* x, int b, Tile& t) {
+    static const block_q6_K kZero = {};
+    for (int g = 0; g < 8; ++g)
+      interleave_values([&](int i) { return q6_values_32(x[i] ? x[i][b] : kZero, g); },
+                        &t.q[g][0][0]);
+    for (int i = 0; i < kW; ++i) {
+      const block_q6_K& w = x[i] ? x[i][b] : kZero;
+      for (int j = 0; j < 16; ++j) t.scales[j][i] = lane_scale(w.scales[j]);
+      for (int k = 0; k < 8; ++k)
+        t.scale_pairs[k][i] = static_cast<int32_t>(static_cast<uint16_t>(w.scales[2 * k]) |
+                                                   static_cast<uint32_t>(static_cast<uint16_t>(w.scales[2 * k + 1])) << 16);
+      t.d[i] = fp16_to_fp32(w.d);
+    }
+  }
+  template <int R>
+  static void add_block(const Tile& t, const Activation* const* ys, const Act* const* a, int b,
+                        LanesF* acc) {
+    LanesI sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = lanes_zero_i();
+    for (int j = 0; j < 16; ++j) {
+      const int8_t* q[R];
+      for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs + 16 * j;
+      add_scaled_16<R>(&t.q[j / 2][4 * (j % 2)][0], q, lanes_load_i(t.scales[j]), sums);
+    }
+    const LanesF d = lanes_load_f(t.d);
+    for (int r = 0; r < R; ++r) {
+      LanesI m = lanes_zero_i();
+      for (int k = 0; k < 8; ++k)
+        m = lanes_madd16(m, lanes_load_i(t.scale_pairs[k]), a[r][b].sums[k]);
+      acc[r] = lanes_step(acc[r], d, a[r][b].d, lanes_sub_32x(sums[r], m));
+    }
+  }
+};
+
 // R activation rows through the interleaved rows of `tile` (one per block); the first
 // `here` outputs of each stored at out[r].
 template <typename Kind, int R>
@@ -399,3 +583,34 @@ static void interleaved_panel(int n, const uint8_t* weights, int64_t row_bytes, 
     }
   }
 }
+
+// Below `min_rows` activation rows, Few's rows kernel (rows_panel's loop); from it on, the
+// interleaved panel of Kind. Both give the same bits.
+template <typename Few, typename Kind, int min_rows>
+static void few_or_interleaved(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                               const uint8_t* activations, int64_t activation_stride, int rows,
+                               float* out, int64_t out_stride) {
+  (rows < min_rows ? rows_panel<Few, typename Kind::Activation> : interleaved_panel<Kind>)(
+      n, weights, row_bytes, count, activations, activation_stride, rows, out, out_stride);
+}
+
+// The panel each kernel's type takes: rows_panel's loop, unless it has its own.
+template <typename Kernel, typename Block>
+struct Panel {
+  static constexpr auto run = rows_panel<Kernel, Block>;
+};
+template <>
+struct Panel<RowsQ4K, block_q8_K> {
+  static constexpr auto run = few_or_interleaved<RowsQ4K, InterleavedQ4K,
+                                                 PAGEDLLM_GGUF_Q4_K_INTERLEAVED_MIN_ROWS>;
+};
+template <>
+struct Panel<InterleavedQ4_1, block_q8_1> {
+  static constexpr auto run = interleaved_panel<InterleavedQ4_1>;
+};
+template <>
+struct Panel<RowsQ6K, block_q8_K> {
+  static constexpr auto run = few_or_interleaved<RowsQ6K, InterleavedQ6K,
+                                                 PAGEDLLM_GGUF_Q6_K_INTERLEAVED_MIN_ROWS>;
+};
+

@@ -1,6 +1,7 @@
 // ggml's x86 kernels for GGUF blocks: quantize one fp32 activation row into Q8_0, Q8_1 or
 // Q8_K blocks, and the dot product of a row of weight blocks with a row of activation
-// blocks (Q4_0.Q8_0, Q4_1.Q8_1, Q5_0.Q8_0, Q8_0.Q8_0, Q4_K.Q8_K, Q5_K.Q8_K, Q6_K.Q8_K).
+// blocks (Q4_0.Q8_0, Q5_0.Q8_0, Q8_0.Q8_0, Q5_K.Q8_K; Q4_1's, Q4_K's and Q6_K's are in
+// ggml_x86_interleaved.h, with the arithmetic of their interleaved gemm).
 //
 // Included twice by gguf_linear.cpp, each time inside a namespace of its own: once for
 // AVX2 and once under `#pragma GCC target` with AVX-512 VNNI and PAGEDLLM_GGML_VNNI
@@ -271,38 +272,6 @@ static float vec_dot_q4_0_q8_0(int n, const void* vx, const void* vy) {
   return hsum_float_8(acc);
 }
 
-static float vec_dot_q4_1_q8_1(int n, const void* vx, const void* vy) {
-  const int nb = n / QK8_1;
-  const block_q4_1* x = static_cast<const block_q4_1*>(vx);
-  const block_q8_1* y = static_cast<const block_q8_1*>(vy);
-
-  __m256 acc = _mm256_setzero_ps();
-  float summs = 0;
-  for (int ib = 0; ib < nb; ++ib) {
-    const float d0 = fp16_to_fp32(x[ib].d);
-    const float d1 = fp16_to_fp32(y[ib].d);
-
-    // d1 * sum is exact in fp32 (11 + 12 significant bits)
-    summs += fp16_to_fp32(x[ib].m) * (d1 * y[ib].sum);
-
-    const __m256 d0v = _mm256_set1_ps(d0);
-    const __m256 d1v = _mm256_set1_ps(d1);
-
-    // Compute combined scales
-    const __m256 d0d1 = _mm256_mul_ps(d0v, d1v);
-
-    // Load 16 bytes, and unpack 4 bit fields into bytes, making 32 bytes
-    const __m256i qx = bytes_from_nibbles_32(x[ib].qs);
-    const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[ib].qs));
-
-    const __m256 xy = mul_sum_us8_pairs_float(qx, qy);
-
-    // Accumulate d0*d1*x*y
-    acc = _mm256_fmadd_ps(d0d1, xy, acc);
-  }
-  return hsum_float_8(acc) + summs;
-}
-
 static float vec_dot_q5_0_q8_0(int n, const void* vx, const void* vy) {
   const int nb = n / QK8_0;
   const block_q5_0* x = static_cast<const block_q5_0*>(vx);
@@ -360,73 +329,6 @@ static inline void unpack_scales_mins_k4(const uint8_t* scales, uint32_t* utmp) 
   utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
   utmp[2] = uaux;
   utmp[0] &= kmask1;
-}
-
-static float vec_dot_q4_K_q8_K(int n, const void* vx, const void* vy) {
-  const block_q4_K* x = static_cast<const block_q4_K*>(vx);
-  const block_q8_K* y = static_cast<const block_q8_K*>(vy);
-  const int nb = n / QK_K;
-  uint32_t utmp[4];
-
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-
-  __m256 acc = _mm256_setzero_ps();
-  __m128 acc_m = _mm_setzero_ps();
-
-  for (int i = 0; i < nb; ++i) {
-    const float d = y[i].d * fp16_to_fp32(x[i].d);
-    const float dmin = -y[i].d * fp16_to_fp32(x[i].dmin);
-
-    unpack_scales_mins_k4(x[i].scales, utmp);
-
-    const uint8_t* q4 = x[i].qs;
-    const int8_t* q8 = y[i].qs;
-
-    const __m256i mins_and_scales =
-        _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-
-    const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[i].bsums));
-    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
-                                       _mm256_extracti128_si256(q8sums, 1));
-    const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s);
-    acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
-
-    const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-    const __m256i scales = MM256_SET_M128I(sc128, sc128);
-
-    __m256i sumi = _mm256_setzero_si256();
-
-    for (int j = 0; j < QK_K / 64; ++j) {
-      const __m256i scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 0));
-      const __m256i scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
-
-      const __m256i q4bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4));
-      q4 += 32;
-      const __m256i q4l = _mm256_and_si256(q4bits, m4);
-      const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-
-      const __m256i q8l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8));
-      q8 += 32;
-      __m256i p16l = _mm256_maddubs_epi16(q4l, q8l);
-      p16l = _mm256_madd_epi16(scale_l, p16l);
-
-      const __m256i q8h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8));
-      q8 += 32;
-      __m256i p16h = _mm256_maddubs_epi16(q4h, q8h);
-      p16h = _mm256_madd_epi16(scale_h, p16h);
-      const __m256i sumj = _mm256_add_epi32(p16l, p16h);
-
-      sumi = _mm256_add_epi32(sumi, sumj);
-    }
-
-    __m256 vd = _mm256_set1_ps(d);
-    acc = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(sumi), acc);
-  }
-
-  acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
-  acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
-
-  return hsum_float_8(acc) + _mm_cvtss_f32(acc_m);
 }
 
 static float vec_dot_q5_K_q8_K(int n, const void* vx, const void* vy) {
@@ -509,88 +411,6 @@ static float vec_dot_q5_K_q8_K(int n, const void* vx, const void* vy) {
   }
 
   return hsum_float_8(acc) + summs;
-}
-
-static float vec_dot_q6_K_q8_K(int n, const void* vx, const void* vy) {
-  const block_q6_K* x = static_cast<const block_q6_K*>(vx);
-  const block_q8_K* y = static_cast<const block_q8_K*>(vy);
-  const int nb = n / QK_K;
-
-  const __m256i m3 = _mm256_set1_epi8(3);
-  const __m256i m15 = _mm256_set1_epi8(15);
-
-  __m256 acc = _mm256_setzero_ps();
-
-  for (int i = 0; i < nb; ++i) {
-    const float d = y[i].d * fp16_to_fp32(x[i].d);
-
-    const uint8_t* q4 = x[i].ql;
-    const uint8_t* qh = x[i].qh;
-    const int8_t* q8 = y[i].qs;
-
-    const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[i].bsums));
-    const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[i].scales));
-    const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
-    const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-
-    __m256i sumi = _mm256_setzero_si256();
-
-    int is = 0;
-
-    for (int j = 0; j < QK_K / 128; ++j) {
-      const __m256i q4bits1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4));
-      q4 += 32;
-      const __m256i q4bits2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4));
-      q4 += 32;
-      const __m256i q4bitsH = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-      qh += 32;
-
-      const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
-      const __m256i q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
-      const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
-      const __m256i q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
-
-      const __m256i q4_0 = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
-      const __m256i q4_1 = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
-      const __m256i q4_2 =
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
-      const __m256i q4_3 =
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
-
-      const __m256i q8_0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8));
-      q8 += 32;
-      const __m256i q8_1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8));
-      q8 += 32;
-      const __m256i q8_2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8));
-      q8 += 32;
-      const __m256i q8_3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8));
-      q8 += 32;
-
-      __m256i p16_0 = _mm256_maddubs_epi16(q4_0, q8_0);
-      __m256i p16_1 = _mm256_maddubs_epi16(q4_1, q8_1);
-      __m256i p16_2 = _mm256_maddubs_epi16(q4_2, q8_2);
-      __m256i p16_3 = _mm256_maddubs_epi16(q4_3, q8_3);
-
-      const __m128i scale_0 = _mm_shuffle_epi8(scales, get_scale_shuffle(is + 0));
-      const __m128i scale_1 = _mm_shuffle_epi8(scales, get_scale_shuffle(is + 1));
-      const __m128i scale_2 = _mm_shuffle_epi8(scales, get_scale_shuffle(is + 2));
-      const __m128i scale_3 = _mm_shuffle_epi8(scales, get_scale_shuffle(is + 3));
-      is += 4;
-
-      p16_0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scale_0), p16_0);
-      p16_1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scale_1), p16_1);
-      p16_2 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scale_2), p16_2);
-      p16_3 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scale_3), p16_3);
-
-      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
-      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_2, p16_3));
-    }
-
-    sumi = _mm256_sub_epi32(sumi, q8sclsub);
-    acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&d), _mm256_cvtepi32_ps(sumi), acc);
-  }
-
-  return hsum_float_8(acc);
 }
 
 #undef MM256_SET_M128I

@@ -38,8 +38,8 @@
 
 namespace pagedllm::gguf_avx2 {
 #include "ggml_x86_quants.h"
-#include "ggml_x86_interleaved.h"
 #include "ggml_x86_gemm.h"
+#include "ggml_x86_interleaved.h"
 }  // namespace pagedllm::gguf_avx2
 
 #pragma GCC push_options
@@ -47,8 +47,8 @@ namespace pagedllm::gguf_avx2 {
 #define PAGEDLLM_GGML_VNNI
 namespace pagedllm::gguf_vnni {
 #include "ggml_x86_quants.h"
-#include "ggml_x86_interleaved.h"
 #include "ggml_x86_gemm.h"
+#include "ggml_x86_interleaved.h"
 }  // namespace pagedllm::gguf_vnni
 #undef PAGEDLLM_GGML_VNNI
 #pragma GCC pop_options
@@ -68,8 +68,8 @@ using RowsPanel = void (*)(int n, const uint8_t* weights, int64_t row_bytes, int
 #error "PAGEDLLM_GGUF_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
 constexpr int64_t kGemmMinRows = PAGEDLLM_GGUF_GEMM_MIN_ROWS;
-#if !defined(PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS) || !defined(PAGEDLLM_GGUF_Q4_K_GEMM_MIN_ROWS)
-#error "PAGEDLLM_GGUF_Q4_1/Q4_K_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
+#ifndef PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS
+#error "PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
 // Bytes of weight rows one tile of the gemm method holds: read from memory once, then from
 // the L2 cache by every group of input rows.
@@ -130,12 +130,11 @@ const GgufType kTypes[] = {
     {8, "Q8_0", 32, 34, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q8_0_q8_0, RowsQ8_0, ggml::block_q8_0, kGemmMinRows)},
     {12, "Q4_K", 256, 144, 292,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, dot_q4_K, InterleavedQ4K, ggml::block_q8_K,
-                           PAGEDLLM_GGUF_Q4_K_GEMM_MIN_ROWS)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, dot_q4_K, RowsQ4K, ggml::block_q8_K, kGemmMinRows)},
     {13, "Q5_K", 256, 176, 292,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K, RowsQ5K, ggml::block_q8_K, kGemmMinRows)},
     {14, "Q6_K", 256, 210, 292,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q6_K_q8_K, RowsQ6K, ggml::block_q8_K, kGemmMinRows)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, dot_q6_K, RowsQ6K, ggml::block_q8_K, kGemmMinRows)},
 };
 #undef PAGEDLLM_GEMM_KERNELS
 
