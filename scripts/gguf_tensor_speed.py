@@ -1,7 +1,8 @@
-"""How fast the GGUF kernels stream each kind of tensor of a file: one input row times every
-linear weight of the file (its blocks as the engine holds them, one kernel call each),
-grouped by block type and input width; the best of three passes, on torch's threads.
-    .venv/bin/python scripts/gguf_tensor_speed.py MODEL.gguf
+"""How fast the GGUF kernels stream each kind of tensor of a file: `--rows` input rows (1, a
+decode step; 512, a prompt) times every linear weight of the file (its blocks as the engine
+holds them, one kernel call each), grouped by block type and input width; the best of
+three passes, on torch's threads.
+    .venv/bin/python scripts/gguf_tensor_speed.py MODEL.gguf [--rows 512]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pagedllm.model.gguf_linear import GGUFWeight
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model")
+    parser.add_argument("--rows", type=int, default=1, help="input rows per call")
     args = parser.parse_args()
     ops = load_cpu_ops()
     weights = load_model(args.model, keep_quantized=True).weights
@@ -29,7 +31,7 @@ def main() -> None:
             groups[(w.ggml_type.name, w.in_features)].append(w)
     total = 0.0
     for (kind, width), tensors in sorted(groups.items()):
-        x = torch.randn(1, width)
+        x = torch.randn(args.rows, width)
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
@@ -37,10 +39,11 @@ def main() -> None:
                 ops.gguf_linear_parts(x, [w.blocks], [int(w.ggml_type)], "auto")
             best = min(best, time.perf_counter() - start)
         size = sum(w.blocks.numel() for w in tensors)
+        ops_done = 2 * args.rows * width * sum(w.blocks.shape[0] for w in tensors)
         total += best
         print(
             f"{kind}, {width} inputs: {len(tensors)} tensors, {size / 1e6:.0f} MB, "
-            f"{best * 1e3:.1f} ms, {size / best / 1e9:.1f} GB/s"
+            f"{best * 1e3:.1f} ms, {size / best / 1e9:.1f} GB/s, {ops_done / best / 1e9:.0f} GOP/s"
         )
     print(f"all: {total * 1e3:.1f} ms")
 
