@@ -1,6 +1,7 @@
 // Several activation rows at once (the "gemm" method). Q5_K, Q8_0, Q4_0 and Q5_0: one
-// weight row times R (1..kRowsPerDot) rows of activation blocks, each weight block loaded and unpacked once for all R rows (its nibbles, high bits
-// and scales), where ggml_x86_quants.h's dot products unpack it once per row. Each row's
+// weight row times R (1..kRowsPerDot) rows of activation blocks, each weight block loaded
+// and unpacked once for all R rows (its nibbles, high bits and scales), where
+// ggml_x86_quants.h's dot products unpack it once per row. Each row's
 // arithmetic is the one-row function's, step for step (the same int32 sums, the same fp32
 // lanes summed in the same order), so the outputs equal the one-row kernels' bit for bit;
 // only the loop over rows moved inside the loop over blocks.

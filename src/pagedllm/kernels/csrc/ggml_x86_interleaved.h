@@ -27,7 +27,7 @@
 
 #if !defined(PAGEDLLM_GGUF_Q4_K_INTERLEAVED_MIN_ROWS) || \
     !defined(PAGEDLLM_GGUF_Q6_K_INTERLEAVED_MIN_ROWS)
-#error "PAGEDLLM_GGUF_Q4_K/Q6_K_INTERLEAVED_MIN_ROWS must be defined by the build (kernels/policy.py)"
+#error "PAGEDLLM_GGUF_Q4_K/Q6_K_INTERLEAVED_MIN_ROWS must be defined by the build (policy.py)"
 #endif
 
 // The sum of an int32 vector's lanes (hsum_i32_8 is ggml's).
@@ -142,7 +142,8 @@ struct RowsQ6K {
         const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(g)));
         for (int r = 0; r < R; ++r) {
           const __m256i q8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ys[r][b].qs) + g);
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(scale, _mm256_maddubs_epi16(q6, q8)));
+          sumi[r] =
+              _mm256_add_epi32(sumi[r], _mm256_madd_epi16(scale, _mm256_maddubs_epi16(q6, q8)));
         }
       }
       const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
@@ -317,7 +318,8 @@ template <int R>
 static inline void add_scaled_16(const int32_t* tile, const int8_t* const* q, __m256i sc,
                                  __m256i* acc) {
   __m256i w[4];
-  for (int t = 0; t < 4; ++t) w[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kW * t));
+  for (int t = 0; t < 4; ++t)
+    w[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kW * t));
   for (int r = 0; r < R; ++r) {
     const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
     __m256i p[2];
@@ -498,9 +500,11 @@ struct InterleavedQ6K {
     for (int i = 0; i < kW; ++i) {
       const block_q6_K& w = x[i] ? x[i][b] : kZero;
       for (int j = 0; j < 16; ++j) t.scales[j][i] = lane_scale(w.scales[j]);
-      for (int k = 0; k < 8; ++k)
-        t.scale_pairs[k][i] = static_cast<int32_t>(static_cast<uint16_t>(w.scales[2 * k]) |
-                                                   static_cast<uint32_t>(static_cast<uint16_t>(w.scales[2 * k + 1])) << 16);
+      for (int k = 0; k < 8; ++k) {
+        const uint32_t lo = static_cast<uint16_t>(w.scales[2 * k]);
+        const uint32_t hi = static_cast<uint16_t>(w.scales[2 * k + 1]);
+        t.scale_pairs[k][i] = static_cast<int32_t>(lo | hi << 16);
+      }
       t.d[i] = fp16_to_fp32(w.d);
     }
   }
