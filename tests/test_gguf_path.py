@@ -24,6 +24,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.config import EngineConfig
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kernels.cpu import load_cpu_ops, missing_cpu_features
+from pagedllm.kernels.gguf_blocks import INTERLEAVED_GROUP_ROWS, INTERLEAVED_TYPES
 from pagedllm.loader import LoadedModel, load_model
 from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight, embed_rows, quantized_activations
 from pagedllm.worker.factory import build_runner
@@ -160,9 +161,14 @@ def test_weights_are_views_of_the_mapped_file(model_path: Path, kept: LoadedMode
     assert mapped(model.embed_tokens.blocks)
     for name, (layer, parts) in _linears(model).items():
         for part, hf in zip(layer.parts, parts, strict=True):
-            # Q/K rows are permuted back into a copy of their tensor; all else is the map.
-            permuted = hf.endswith(("q_proj.weight", "k_proj.weight"))
-            assert mapped(part.blocks) != permuted, (name, hf)
+            # Q/K rows are permuted back into a copy of their tensor, and Q4_1/Q4_K parts
+            # in whole groups of rows interleaved into one; all else is the map.
+            copied = part.interleaved or hf.endswith(("q_proj.weight", "k_proj.weight"))
+            assert mapped(part.blocks) != copied, (name, hf)
+            assert part.interleaved == (
+                part.ggml_type in INTERLEAVED_TYPES
+                and all(p.shape[0] % INTERLEAVED_GROUP_ROWS == 0 for p in layer.parts)
+            )
     # The model's only parameters: its norms (no fp32 copy of a weight matrix).
     assert sum(p.numel() for p in model.parameters()) == (2 * LAYERS + 1) * HIDDEN
 

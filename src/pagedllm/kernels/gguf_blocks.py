@@ -2,7 +2,10 @@
 their block geometry, and the call of the `gguf_linear` op (csrc/gguf_linear.cpp).
 
 A weight of such a type is a uint8 tensor of its raw blocks, one row of
-`in_features / values_per_block` blocks per output feature, exactly as the file holds it.
+`in_features / values_per_block` blocks per output feature, exactly as the file holds it;
+or, for INTERLEAVED_TYPES, the same bytes rearranged in groups of 16 rows
+([rows / 16, 16, bytes per row], `interleave`), which the kernels read without unpacking
+the rows per call.
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ GEMM_TYPES: tuple[GGMLQuantizationType, ...] = (
 )
 
 
+# The types whose weights are interleaved at load (csrc/gguf_interleaved_layout.h), in
+# groups of this many rows. Q6_K has the layout too, but its one-row kernel on the file's
+# rows is the faster at decode.
+INTERLEAVED_TYPES: tuple[GGMLQuantizationType, ...] = (
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+)
+INTERLEAVED_GROUP_ROWS = 16
+
+
 def block_geometry(ggml_type: GGMLQuantizationType) -> tuple[int, int]:
     """(values per block, bytes per block) of a GGML type."""
     return GGML_QUANT_SIZES[ggml_type]
@@ -72,3 +85,16 @@ def quantize_activations(
     """The 8-bit blocks (Q8_0, Q8_1 or Q8_K) `gguf_linear` turns each row of x into before
     multiplying it with `ggml_type` weights, as uint8 [rows, bytes]."""
     return load_cpu_ops().gguf_quantize_activations(x, int(ggml_type), kernel)
+
+
+def interleave(
+    blocks: torch.Tensor,
+    ggml_type: GGMLQuantizationType,
+    inverse: bool = False,
+    release_source: bool = False,
+) -> torch.Tensor:
+    """`blocks` [rows, bytes per row] (rows a multiple of 16) in the interleaved layout, a
+    new [rows / 16, 16, bytes per row] tensor; `inverse`: back to the file's. With
+    `release_source`, the source's pages are handed back to the kernel (a tensor read
+    through a memory map then stops counting in resident memory)."""
+    return load_cpu_ops().gguf_interleave(blocks, int(ggml_type), inverse, release_source)

@@ -4,7 +4,10 @@ A `GGUFWeight` is one weight matrix as its raw blocks: a uint8 tensor [out, byte
 over the file's memory map (never an fp32 copy), with its GGML type. A `GGUFLinear`
 computes x @ W^T for W stacked by rows from such parts (a fused q/k/v or gate/up): each
 part is multiplied where it lies (joining parts would copy them off the map, and resident
-memory would hold both). It calls the compiled `gguf_linear_parts` op
+memory would hold both). Where the kernels build, a layer whose parts are Q4_1 or Q4_K in
+whole groups of 16 rows takes them interleaved (kernels/gguf_blocks.py `interleave`): one
+copy per tensor at load, whose source pages in the map are handed back, so resident
+memory still holds each weight once. It calls the compiled `gguf_linear_parts` op
 (kernels/gguf_blocks.py), which quantizes the activations per block as llama.cpp does,
 once per kind of block, unpacks each weight block once for several input rows where the
 type has a multi-row kernel, and splits all parts' rows over the threads at once; where the
@@ -26,7 +29,12 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.kernels.gguf_blocks import KERNEL_TYPES
+from pagedllm.kernels.gguf_blocks import (
+    INTERLEAVED_GROUP_ROWS,
+    INTERLEAVED_TYPES,
+    KERNEL_TYPES,
+    interleave,
+)
 
 # The types whose activations the op quantizes to Q8_K (256-value blocks); Q8_0/Q8_1
 # (32-value blocks) for the other quantized types; F16/BF16/F32 multiply fp32 inputs.
@@ -40,17 +48,30 @@ STORED_TYPES = (*KERNEL_TYPES, GGMLQuantizationType.F32)
 class GGUFWeight:
     """A weight matrix [out_features, in_features] as its raw GGML blocks."""
 
-    blocks: torch.Tensor  # uint8 [out_features, bytes per row]
+    # uint8 [out_features, bytes per row], or interleaved [out_features / 16, 16, bytes per row]
+    blocks: torch.Tensor
     ggml_type: GGMLQuantizationType
     in_features: int
 
     @property
+    def interleaved(self) -> bool:
+        return self.blocks.dim() == 3
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return (self.blocks.shape[0], self.in_features)
+        return (
+            self.blocks.shape[0] * (INTERLEAVED_GROUP_ROWS if self.interleaved else 1),
+            self.in_features,
+        )
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or only its `rows`) in fp32."""
-        blocks = self.blocks if rows is None else self.blocks[rows]
+        blocks = (
+            interleave(self.blocks, self.ggml_type, inverse=True)
+            if self.interleaved
+            else self.blocks
+        )
+        blocks = blocks if rows is None else blocks[rows]
         if self.ggml_type == GGMLQuantizationType.F32:
             return blocks.view(torch.float32).reshape(-1, self.in_features)
         values = gguf.quants.dequantize(blocks.numpy(), self.ggml_type)
@@ -104,6 +125,12 @@ class GGUFLinear(nn.Module):
                 f"[{self.out_features}, {self.in_features}]"
             )
         self.parts = list(parts)
+        # The op splits a layer with interleaved parts over its threads in whole groups,
+        # so every part's rows must come in groups, whatever its type.
+        if self.kernels is not None and all(
+            p.shape[0] % INTERLEAVED_GROUP_ROWS == 0 for p in parts
+        ):
+            self.parts = [_interleaved(p) for p in parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().reshape(-1, self.in_features).contiguous()
@@ -119,6 +146,14 @@ class GGUFLinear(nn.Module):
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if self.bias is None else out + self.bias
+
+
+def _interleaved(weight: GGUFWeight) -> GGUFWeight:
+    """`weight` in the interleaved layout if its type has it (its source pages released)."""
+    if weight.ggml_type not in INTERLEAVED_TYPES or weight.interleaved:
+        return weight
+    blocks = interleave(weight.blocks.contiguous(), weight.ggml_type, release_source=True)
+    return GGUFWeight(blocks, weight.ggml_type, weight.in_features)
 
 
 def embed_rows(ids: torch.Tensor, table: GGUFWeight) -> torch.Tensor:

@@ -237,17 +237,17 @@ static inline void interleave_values(Values values, int32_t* tile) {
 #endif
 constexpr int kW = kInterleavedRows;
 
-// The sums of 32 products of R activation rows with the interleaved rows of tile[8][kW]
-// (q[r]: the row's 32 activation values), one int32 lane per weight row.
+// The sums of 32 products of R activation rows with kW interleaved weight rows (w(t): their
+// dword t, t < 8; q[r]: the row's 32 activation values), one int32 lane per weight row.
 #ifdef PAGEDLLM_GGML_VNNI
 using LanesI = __m512i;
 using LanesF = __m512;
-template <int R>
-static inline void sums_32(const int32_t* tile, const int8_t* const* q, LanesI* s) {
+template <int R, typename W>
+static inline void sums_32(W w, const int8_t* const* q, LanesI* s) {
   __m512i s1[R];
   for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512(), s1[r] = _mm512_setzero_si512();
   for (int t = 0; t < 8; t += 2) {
-    const __m512i w0 = _mm512_loadu_si512(tile + kW * t), w1 = _mm512_loadu_si512(tile + kW * (t + 1));
+    const __m512i w0 = w(t), w1 = w(t + 1);
     for (int r = 0; r < R; ++r) {
       const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
       s[r] = _mm512_dpbusd_epi32(s[r], w0, _mm512_set1_epi32(a[t]));
@@ -257,16 +257,15 @@ static inline void sums_32(const int32_t* tile, const int8_t* const* q, LanesI* 
   for (int r = 0; r < R; ++r) s[r] = _mm512_add_epi32(s[r], s1[r]);
 }
 // acc[r] += sc * (the sum of 16 products of activation row r, q[r], with the interleaved
-// rows of tile[4][16]); sc: lane_scale of each row's scale
-template <int R>
-static inline void add_scaled_16(const int32_t* tile, const int8_t* const* q, __m512i sc,
-                                 __m512i* acc) {
-  __m512i w[4];
-  for (int t = 0; t < 4; ++t) w[t] = _mm512_loadu_si512(tile + kW * t);
+// rows' dwords w(0..3)); sc: lane_scale of each row's scale
+template <int R, typename W>
+static inline void add_scaled_16(W w, const int8_t* const* q, __m512i sc, __m512i* acc) {
+  __m512i v[4];
+  for (int t = 0; t < 4; ++t) v[t] = w(t);
   for (int r = 0; r < R; ++r) {
     const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
-    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(a[0]));
-    for (int t = 1; t < 4; ++t) s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(a[t]));
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(a[0]));
+    for (int t = 1; t < 4; ++t) s = _mm512_dpbusd_epi32(s, v[t], _mm512_set1_epi32(a[t]));
     acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(s, sc));
   }
 }
@@ -282,6 +281,7 @@ static inline LanesI lanes_sub_32x(LanesI a, LanesI b) {  // a - 32 * b
   return _mm512_sub_epi32(a, _mm512_slli_epi32(b, 5));
 }
 static inline LanesI lanes_load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
+static inline void lanes_store_i(int32_t* p, LanesI v) { _mm512_storeu_si512(p, v); }
 static inline LanesF lanes_zero_f() { return _mm512_setzero_ps(); }
 static inline LanesF lanes_load_f(const float* p) { return _mm512_loadu_ps(p); }
 // acc + (d * da) * s, with s converted from int32
@@ -294,38 +294,44 @@ static inline LanesF lanes_fma(LanesF acc, LanesF m, float x) {
 static inline void lanes_store(float* out, LanesF v, int here) {
   _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << here) - 1), v);
 }
+// kW fp16 values at p, as floats
+static inline LanesF load_halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// kW pairs of int8 at p, as pairs of int16 (a lane's low half from the pair's first byte)
+static inline __m512i load_pairs(const uint8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 #else
 using LanesI = __m256i;
 using LanesF = __m256;
-template <int R>
-static inline void sums_32(const int32_t* tile, const int8_t* const* q, LanesI* s) {
+template <int R, typename W>
+static inline void sums_32(W w, const int8_t* const* q, LanesI* s) {
   __m256i p[R];  // 16-bit pair sums over the 32 values: 8 x 2 x 15 x 128 fits
   for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
   for (int t = 0; t < 8; ++t) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kW * t));
+    const __m256i wt = w(t);
     for (int r = 0; r < R; ++r) {
       const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
-      p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(a[t])));
+      p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(wt, _mm256_set1_epi32(a[t])));
     }
   }
   for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(p[r], _mm256_set1_epi16(1));
 }
 // acc[r] += sc * (the sum of 16 products of activation row r, q[r], with the interleaved
-// rows of tile[4][8]); sc: lane_scale of each row's scale, a 16-bit pair, so that one
+// rows' dwords w(0..3)); sc: lane_scale of each row's scale, a 16-bit pair, so that one
 // vpmaddwd both adds a lane's pair sums and scales them (two 16-bit sums of 8 products:
 // 8 x 63 x 128 fits where 16 would not)
-template <int R>
-static inline void add_scaled_16(const int32_t* tile, const int8_t* const* q, __m256i sc,
-                                 __m256i* acc) {
-  __m256i w[4];
-  for (int t = 0; t < 4; ++t)
-    w[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kW * t));
+template <int R, typename W>
+static inline void add_scaled_16(W w, const int8_t* const* q, __m256i sc, __m256i* acc) {
+  __m256i v[4];
+  for (int t = 0; t < 4; ++t) v[t] = w(t);
   for (int r = 0; r < R; ++r) {
     const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
     __m256i p[2];
     for (int h = 0; h < 2; ++h)
-      p[h] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * h], _mm256_set1_epi32(a[2 * h])),
-                              _mm256_maddubs_epi16(w[2 * h + 1], _mm256_set1_epi32(a[2 * h + 1])));
+      p[h] = _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * h], _mm256_set1_epi32(a[2 * h])),
+                              _mm256_maddubs_epi16(v[2 * h + 1], _mm256_set1_epi32(a[2 * h + 1])));
     acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p[0], sc),
                                                        _mm256_madd_epi16(p[1], sc)));
   }
@@ -347,6 +353,9 @@ static inline LanesI lanes_sub_32x(LanesI a, LanesI b) {  // a - 32 * b
 static inline LanesI lanes_load_i(const int32_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
+static inline void lanes_store_i(int32_t* p, LanesI v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+}
 static inline LanesF lanes_zero_f() { return _mm256_setzero_ps(); }
 static inline LanesF lanes_load_f(const float* p) { return _mm256_loadu_ps(p); }
 static inline LanesF lanes_step(LanesF acc, LanesF d, float da, LanesI s) {
@@ -360,8 +369,38 @@ static inline void lanes_store(float* out, LanesF v, int here) {
   _mm256_store_ps(o, v);
   for (int i = 0; i < here; ++i) out[i] = o[i];
 }
+static inline LanesF load_halves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m256i load_pairs(const uint8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #endif
 
+// The interleaved layout's units (gguf_interleaved_layout.h) as kW int32 lanes, lane i from
+// row i: plain vectors, so that shifts and masks read as arithmetic in both builds.
+using LaneInts = int32_t __attribute__((vector_size(4 * kW)));
+static inline LaneInts load_lanes(const uint8_t* p) {
+  LaneInts v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline LanesI as_lanes(LaneInts v) { return reinterpret_cast<LanesI>(v); }
+static inline LaneInts as_lane_ints(LanesI v) { return reinterpret_cast<LaneInts>(v); }
+// lane_scale of int32 lanes: the value itself (VNNI), or its 16 bits twice (AVX2)
+static inline LaneInts lanes_scale(LaneInts s) {
+  return kW == 16 ? s : (s & 0xFFFF) | (s << 16);
+}
+constexpr int32_t kLowNibbles = 0x0F0F0F0F;
+// unit u of the group's field at `field` (`unit` bytes each), for the rows from `lo` on
+static inline const uint8_t* unit_at(const uint8_t* field, int u, int lo, int unit) {
+  return field + (u * kInterleavedGroupRows + lo) * unit;
+}
+
+// Each kind reads a block of kW weight rows through a source: FromTile, a Tile the panel
+// interleaved from the file's rows for this call, or FromGroup, the rows lo..lo+kW-1 of a
+// group's block in the interleaved layout (p: the block), read in place. add_block's
+// arithmetic is the same for both, so are the bits.
 struct InterleavedQ4_1 {
   static constexpr int kBlock = QK4_1;
   using Weight = block_q4_1;
@@ -386,15 +425,36 @@ struct InterleavedQ4_1 {
       t.m[i] = x[i] ? fp16_to_fp32(x[i][b].m) : 0.f;
     }
   }
-  // acc[r] += activation row r's block b (ys[r][b], a[r][b]) times the tile's rows
-  template <int R>
-  static void add_block(const Tile& t, const Activation* const* ys, const Act* const* a, int b,
+  struct FromTile {
+    const Tile& t;
+    LanesI q(int u) const { return lanes_load_i(t.q[u]); }  // values 4u..4u+3
+    LanesF d() const { return lanes_load_f(t.d); }
+    LanesF m() const { return lanes_load_f(t.m); }
+  };
+  struct FromGroup {
+    const uint8_t* p;
+    int lo;
+    LanesI q(int u) const {
+      const LaneInts v = load_lanes(unit_at(p + interleaved::kQ4_1Qs, u % 4, lo, 4));
+      return as_lanes((v >> 4 * (u / 4)) & kLowNibbles);
+    }
+    LanesF d() const { return load_halves(p + interleaved::kQ4_1D + 2 * lo); }
+    LanesF m() const { return load_halves(p + interleaved::kQ4_1M + 2 * lo); }
+  };
+  static void fill(const FromGroup& w, Tile& t) {
+    for (int u = 0; u < 8; ++u) lanes_store_i(t.q[u], w.q(u));
+    lanes_store(t.d, w.d(), kW);
+    lanes_store(t.m, w.m(), kW);
+  }
+  // acc[r] += activation row r's block b (ys[r][b], a[r][b]) times the source's rows
+  template <int R, typename W>
+  static void add_block(const W& w, const Activation* const* ys, const Act* const* a, int b,
                         LanesF* acc) {
     const int8_t* q[R];
     for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs;
     LanesI s[R];
-    sums_32<R>(&t.q[0][0], q, s);
-    const LanesF d = lanes_load_f(t.d), m = lanes_load_f(t.m);
+    sums_32<R>([&](int u) { return w.q(u); }, q, s);
+    const LanesF d = w.d(), m = w.m();
     for (int r = 0; r < R; ++r) {
       acc[r] = lanes_step(acc[r], d, a[r][b].d, s[r]);
       acc[r] = lanes_fma(acc[r], m, a[r][b].d_sum);
@@ -450,22 +510,67 @@ struct InterleavedQ4K {
       t.dmin[i] = fp16_to_fp32(w.dmin);
     }
   }
-  template <int R>
-  static void add_block(const Tile& t, const Activation* const* ys, const Act* const* a, int b,
+  struct FromTile {
+    const Tile& t;
+    LanesI q(int j, int u) const { return lanes_load_i(t.q[j][u]); }  // sub-block j, dword u
+    LanesI scale(int j) const { return lanes_load_i(t.scales[j]); }
+    LanesI mins(int k) const { return lanes_load_i(t.mins[k]); }
+    LanesF d() const { return lanes_load_f(t.d); }
+    LanesF dmin() const { return lanes_load_f(t.dmin); }
+  };
+  // The 6-bit scales and minimums unpacked as ggml's get_scale_min_k4 does, for all the
+  // rows at once, from the three dwords of each row's 12 bytes.
+  struct FromGroup {
+    const uint8_t* p;
+    int lo;
+    LaneInts d0, d1, d2;
+    FromGroup(const uint8_t* block, int first)
+        : p(block),
+          lo(first),
+          d0(load_lanes(unit_at(block + interleaved::kQ4KScales, 0, first, 4))),
+          d1(load_lanes(unit_at(block + interleaved::kQ4KScales, 1, first, 4))),
+          d2(load_lanes(unit_at(block + interleaved::kQ4KScales, 2, first, 4))) {}
+    LanesI q(int j, int u) const {
+      const LaneInts v = load_lanes(unit_at(p + interleaved::kQ4KQs, 8 * (j / 2) + u, lo, 4));
+      return as_lanes((v >> 4 * (j % 2)) & kLowNibbles);
+    }
+    LanesI scale(int j) const {
+      const int s = 8 * (j % 4);
+      return as_lanes(j < 4 ? (d0 >> s) & 63 : ((d2 >> s) & 0xF) | (((d0 >> (s + 6)) & 3) << 4));
+    }
+    LaneInts min(int j) const {
+      const int s = 8 * (j % 4);
+      return j < 4 ? (d1 >> s) & 63 : ((d2 >> (s + 4)) & 0xF) | (((d1 >> (s + 6)) & 3) << 4);
+    }
+    LanesI mins(int k) const { return as_lanes(min(2 * k) | (min(2 * k + 1) << 16)); }
+    LanesF d() const { return load_halves(p + interleaved::kQ4KD + 2 * lo); }
+    LanesF dmin() const { return load_halves(p + interleaved::kQ4KDmin + 2 * lo); }
+  };
+  static void fill(const FromGroup& w, Tile& t) {
+    for (int j = 0; j < 8; ++j) {
+      for (int u = 0; u < 8; ++u) lanes_store_i(t.q[j][u], w.q(j, u));
+      lanes_store_i(t.scales[j], w.scale(j));
+    }
+    for (int k = 0; k < 4; ++k) lanes_store_i(t.mins[k], w.mins(k));
+    lanes_store(t.d, w.d(), kW);
+    lanes_store(t.dmin, w.dmin(), kW);
+  }
+  template <int R, typename W>
+  static void add_block(const W& w, const Activation* const* ys, const Act* const* a, int b,
                         LanesF* acc) {
     LanesI sums[R], s[R];
     for (int r = 0; r < R; ++r) sums[r] = lanes_zero_i();
     for (int j = 0; j < 8; ++j) {
       const int8_t* q[R];
       for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs + 32 * j;
-      sums_32<R>(&t.q[j][0][0], q, s);
-      const LanesI sc = lanes_load_i(t.scales[j]);
+      sums_32<R>([&](int u) { return w.q(j, u); }, q, s);
+      const LanesI sc = w.scale(j);
       for (int r = 0; r < R; ++r) sums[r] = lanes_add(sums[r], lanes_mullo(s[r], sc));
     }
-    const LanesF d = lanes_load_f(t.d), dmin = lanes_load_f(t.dmin);
+    const LanesF d = w.d(), dmin = w.dmin();
     for (int r = 0; r < R; ++r) {
       LanesI m = lanes_zero_i();
-      for (int k = 0; k < 4; ++k) m = lanes_madd16(m, lanes_load_i(t.mins[k]), a[r][b].sums[k]);
+      for (int k = 0; k < 4; ++k) m = lanes_madd16(m, w.mins(k), a[r][b].sums[k]);
       acc[r] = lanes_step(acc[r], d, a[r][b].d, sums[r]);
       acc[r] = lanes_step(acc[r], dmin, a[r][b].d, lanes_neg(m));
     }
@@ -508,47 +613,80 @@ struct InterleavedQ6K {
       t.d[i] = fp16_to_fp32(w.d);
     }
   }
-  template <int R>
-  static void add_block(const Tile& t, const Activation* const* ys, const Act* const* a, int b,
+  struct FromTile {
+    const Tile& t;
+    LanesI q(int g, int u) const { return lanes_load_i(t.q[g][u]); }  // values 32g + 4u..
+    LanesI scale(int j) const { return lanes_load_i(t.scales[j]); }
+    LanesI scale_pair(int k) const { return lanes_load_i(t.scale_pairs[k]); }
+    LanesF d() const { return lanes_load_f(t.d); }
+  };
+  struct FromGroup {
+    const uint8_t* p;
+    int lo;
+    // values 32g + 4u.. (g = 4h + c) as q6_values_32 makes them: the low 4 bits from ql, the
+    // high 2 from qh
+    LanesI q(int g, int u) const {
+      const int h = g / 4, c = g % 4;
+      const LaneInts ql = load_lanes(unit_at(p + interleaved::kQ6KQl, 16 * h + 8 * (c % 2) + u, lo, 4));
+      const LaneInts qh = load_lanes(unit_at(p + interleaved::kQ6KQh, 8 * h + u, lo, 4));
+      return as_lanes(((ql >> 4 * (c / 2)) & kLowNibbles) | (((qh >> 2 * c) & 0x03030303) << 4));
+    }
+    LaneInts pair(int k) const {
+      return as_lane_ints(load_pairs(unit_at(p + interleaved::kQ6KScales, k, lo, 2)));
+    }
+    LanesI scale(int j) const {
+      const LaneInts both = pair(j / 2);
+      return as_lanes(lanes_scale(j % 2 ? both >> 16 : (both << 16) >> 16));
+    }
+    LanesI scale_pair(int k) const { return as_lanes(pair(k)); }
+    LanesF d() const { return load_halves(p + interleaved::kQ6KD + 2 * lo); }
+  };
+  static void fill(const FromGroup& w, Tile& t) {
+    for (int g = 0; g < 8; ++g)
+      for (int u = 0; u < 8; ++u) lanes_store_i(t.q[g][u], w.q(g, u));
+    for (int j = 0; j < 16; ++j) lanes_store_i(t.scales[j], w.scale(j));
+    for (int k = 0; k < 8; ++k) lanes_store_i(t.scale_pairs[k], w.scale_pair(k));
+    lanes_store(t.d, w.d(), kW);
+  }
+  template <int R, typename W>
+  static void add_block(const W& w, const Activation* const* ys, const Act* const* a, int b,
                         LanesF* acc) {
     LanesI sums[R];
     for (int r = 0; r < R; ++r) sums[r] = lanes_zero_i();
     for (int j = 0; j < 16; ++j) {
       const int8_t* q[R];
       for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs + 16 * j;
-      add_scaled_16<R>(&t.q[j / 2][4 * (j % 2)][0], q, lanes_load_i(t.scales[j]), sums);
+      add_scaled_16<R>([&](int u) { return w.q(j / 2, 4 * (j % 2) + u); }, q, w.scale(j), sums);
     }
-    const LanesF d = lanes_load_f(t.d);
+    const LanesF d = w.d();
     for (int r = 0; r < R; ++r) {
       LanesI m = lanes_zero_i();
-      for (int k = 0; k < 8; ++k)
-        m = lanes_madd16(m, lanes_load_i(t.scale_pairs[k]), a[r][b].sums[k]);
+      for (int k = 0; k < 8; ++k) m = lanes_madd16(m, w.scale_pair(k), a[r][b].sums[k]);
       acc[r] = lanes_step(acc[r], d, a[r][b].d, lanes_sub_32x(sums[r], m));
     }
   }
 };
 
-// R activation rows through the interleaved rows of `tile` (one per block); the first
-// `here` outputs of each stored at out[r].
-template <typename Kind, int R>
-static void interleaved_rows(int nb, const typename Kind::Tile* tile,
-                             const typename Kind::Activation* const* ys,
+// R activation rows through kW weight rows (source(b): block b's source); the first `here`
+// outputs of each stored at out[r].
+template <typename Kind, int R, typename Source>
+static void interleaved_rows(int nb, Source source, const typename Kind::Activation* const* ys,
                              const typename Kind::Act* const* a, float* const* out, int here) {
   LanesF acc[R];
   for (int r = 0; r < R; ++r) acc[r] = lanes_zero_f();
-  for (int b = 0; b < nb; ++b) Kind::template add_block<R>(tile[b], ys, a, b, acc);
+  for (int b = 0; b < nb; ++b) Kind::template add_block<R>(source(b), ys, a, b, acc);
   for (int r = 0; r < R; ++r) lanes_store(out[r], acc[r], here);
 }
 
-// The interleaved panels' loops: kW weight rows at a time made into Kind::Tile blocks, then
-// the activation rows through them 4 at a time. What only the activations decide
-// (Kind::Act) is made once for the whole panel. Both buffers are the thread's own, kept
-// from call to call (a decode step makes hundreds of these calls).
-template <typename Kind>
-static void interleaved_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
-                              const uint8_t* activations, int64_t activation_stride, int rows,
-                              float* out, int64_t out_stride) {
-  using Weight = typename Kind::Weight;
+// The interleaved panels' loops: kW weight rows at a time (rows_at(p0, here): a source of
+// rows p0.., as interleaved_rows takes it), the activation rows through them 4 at a time.
+// What only the activations decide (Kind::Act) is made once for the whole panel, in a
+// buffer of the thread's own, kept from call to call (a decode step makes hundreds of
+// these calls).
+template <typename Kind, typename RowsAt>
+static void weight_row_passes(int n, int64_t count, const uint8_t* activations,
+                              int64_t activation_stride, int rows, float* out,
+                              int64_t out_stride, RowsAt rows_at) {
   using Activation = typename Kind::Activation;
   using Act = typename Kind::Act;
   const int nb = n / Kind::kBlock;
@@ -556,18 +694,13 @@ static void interleaved_panel(int n, const uint8_t* weights, int64_t row_bytes, 
     return reinterpret_cast<const Activation*>(activations + r * activation_stride);
   };
   thread_local std::vector<Act> acts;
-  thread_local std::vector<typename Kind::Tile> tile;
   acts.resize(static_cast<size_t>(rows) * nb);
-  tile.resize(nb);
   for (int r = 0; r < rows; ++r)
     for (int b = 0; b < nb; ++b) acts[static_cast<size_t>(r) * nb + b] = Kind::act(activation_row(r)[b]);
   constexpr int kRows = 4;
   for (int64_t p0 = 0; p0 < count; p0 += kW) {
     const int here = static_cast<int>(std::min<int64_t>(kW, count - p0));
-    const Weight* x[kW];
-    for (int i = 0; i < kW; ++i)
-      x[i] = i < here ? reinterpret_cast<const Weight*>(weights + (p0 + i) * row_bytes) : nullptr;
-    for (int b = 0; b < nb; ++b) Kind::interleave(x, b, tile[b]);
+    const auto source = rows_at(p0, here);
     for (int r0 = 0; r0 < rows; r0 += kRows) {
       const int group = std::min(kRows, rows - r0);
       const Activation* ys[kRows];
@@ -579,13 +712,80 @@ static void interleaved_panel(int n, const uint8_t* weights, int64_t row_bytes, 
         o[r] = out + (r0 + r) * out_stride + p0;
       }
       switch (group) {
-        case 4: interleaved_rows<Kind, 4>(nb, tile.data(), ys, a, o, here); break;
-        case 3: interleaved_rows<Kind, 3>(nb, tile.data(), ys, a, o, here); break;
-        case 2: interleaved_rows<Kind, 2>(nb, tile.data(), ys, a, o, here); break;
-        default: interleaved_rows<Kind, 1>(nb, tile.data(), ys, a, o, here);
+        case 4: interleaved_rows<Kind, 4>(nb, source, ys, a, o, here); break;
+        case 3: interleaved_rows<Kind, 3>(nb, source, ys, a, o, here); break;
+        case 2: interleaved_rows<Kind, 2>(nb, source, ys, a, o, here); break;
+        default: interleaved_rows<Kind, 1>(nb, source, ys, a, o, here);
       }
     }
   }
+}
+
+// The weight rows as the file stores them, interleaved into a Tile per block for each pass
+// (the thread's own buffer, kept from call to call).
+template <typename Kind>
+static void interleaved_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                              const uint8_t* activations, int64_t activation_stride, int rows,
+                              float* out, int64_t out_stride) {
+  using Weight = typename Kind::Weight;
+  using Tile = typename Kind::Tile;
+  const int nb = n / Kind::kBlock;
+  thread_local std::vector<Tile> tile;
+  tile.resize(nb);
+  weight_row_passes<Kind>(n, count, activations, activation_stride, rows, out, out_stride,
+                          [&](int64_t p0, int here) {
+                            const Weight* x[kW];
+                            for (int i = 0; i < kW; ++i)
+                              x[i] = i < here ? reinterpret_cast<const Weight*>(weights + (p0 + i) * row_bytes)
+                                              : nullptr;
+                            for (int b = 0; b < nb; ++b) Kind::interleave(x, b, tile[b]);
+                            const Tile* t = tile.data();
+                            return [t](int b) { return typename Kind::FromTile{t[b]}; };
+                          });
+}
+
+// The weight rows in the interleaved layout (gguf_interleaved_layout.h); `weights` starts a
+// group and `count` is a whole number of groups. Up to `in_place_rows` activation rows
+// they are read in place, each block fetched into cache this many bytes ahead (the layout
+// is read front to back, and a decode step streams it from memory: measured ~10% faster
+// on 1.7B-shaped Q4_K weights, scripts/gguf_tensor_speed.py); above, each pass unpacks
+// them into a Tile once for its passes of activation rows.
+constexpr int64_t kPrefetchAhead = 4096;
+template <typename Kind, int in_place_rows>
+static void grouped_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
+                          const uint8_t* activations, int64_t activation_stride, int rows,
+                          float* out, int64_t out_stride) {
+  using Tile = typename Kind::Tile;
+  using FromGroup = typename Kind::FromGroup;
+  constexpr int64_t G = kInterleavedGroupRows;
+  constexpr int64_t block_bytes = G * sizeof(typename Kind::Weight);
+  const int nb = n / Kind::kBlock;
+  auto group_of = [&](int64_t p0) { return weights + p0 / G * G * row_bytes; };
+  if (rows <= in_place_rows) {
+    weight_row_passes<Kind>(n, count, activations, activation_stride, rows, out, out_stride,
+                            [&](int64_t p0, int) {
+                              const uint8_t* group = group_of(p0);
+                              const int lo = static_cast<int>(p0 % G);
+                              return [group, lo](int b) {
+                                const uint8_t* block = group + b * block_bytes;
+                                for (int64_t c = 0; c < block_bytes; c += 64)
+                                  _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAhead + c),
+                                               _MM_HINT_T0);
+                                return FromGroup{block, lo};
+                              };
+                            });
+    return;
+  }
+  thread_local std::vector<Tile> tile;
+  tile.resize(nb);
+  weight_row_passes<Kind>(n, count, activations, activation_stride, rows, out, out_stride,
+                          [&](int64_t p0, int) {
+                            const uint8_t* group = group_of(p0);
+                            for (int b = 0; b < nb; ++b)
+                              Kind::fill(FromGroup{group + b * block_bytes, static_cast<int>(p0 % G)}, tile[b]);
+                            const Tile* t = tile.data();
+                            return [t](int b) { return typename Kind::FromTile{t[b]}; };
+                          });
 }
 
 // Below `min_rows` activation rows, Few's rows kernel (rows_panel's loop); from it on, the

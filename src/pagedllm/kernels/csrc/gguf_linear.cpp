@@ -34,6 +34,7 @@
 
 #include "cpu_features.h"
 #include "ggml_blocks.h"
+#include "gguf_interleaved_layout.h"
 #include "vec.h"
 
 namespace pagedllm::gguf_avx2 {
@@ -71,6 +72,10 @@ constexpr int64_t kGemmMinRows = PAGEDLLM_GGUF_GEMM_MIN_ROWS;
 #ifndef PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS
 #error "PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
+#ifndef PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS
+#error "PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS must be defined by the build (kernels/policy.py)"
+#endif
+constexpr int kInPlaceMaxRows = PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS;
 // Bytes of weight rows one tile of the gemm method holds: read from memory once, then from
 // the L2 cache by every group of input rows.
 constexpr int64_t kWeightTileBytes = 128 * 1024;
@@ -80,6 +85,9 @@ struct BlockKernels {
   BlockDot dot;
   RowsPanel rows = nullptr;  // nullptr: no gemm method for the type
   int64_t gemm_min_rows = kGemmMinRows;  // the input rows from which "auto" takes it
+  // On weights in the interleaved layout (gguf_interleaved_layout.h), at every row count;
+  // nullptr: the type has none.
+  RowsPanel grouped = nullptr;
 };
 
 // One GGML type: its id in GGUF files, values and bytes per block, the bytes per block of
@@ -116,6 +124,13 @@ float dot_fp(int n, const void* weight_row, const void* activation_row) {
     gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::Panel<gguf_vnni::rows, block>::run,       \
         min_rows                                                                              \
   }
+#define PAGEDLLM_GROUPED_KERNELS(quantize, dot, rows, block, min_rows, kind)                \
+  {gguf_avx2::quantize, gguf_avx2::dot, gguf_avx2::Panel<gguf_avx2::rows, block>::run,       \
+   min_rows, gguf_avx2::grouped_panel<gguf_avx2::kind, kInPlaceMaxRows>},                                      \
+  {                                                                                           \
+    gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::Panel<gguf_vnni::rows, block>::run,       \
+        min_rows, gguf_vnni::grouped_panel<gguf_vnni::kind, kInPlaceMaxRows>                                \
+  }
 
 const GgufType kTypes[] = {
     {1, "F16", 1, 2, 4, {nullptr, dot_fp<c10::Half>}, {nullptr, dot_fp<c10::Half>}},
@@ -123,20 +138,23 @@ const GgufType kTypes[] = {
     {2, "Q4_0", 32, 18, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0, RowsQ4_0, ggml::block_q8_0, kGemmMinRows)},
     {3, "Q4_1", 32, 20, 36,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_1, dot_q4_1, InterleavedQ4_1, ggml::block_q8_1,
-                           PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS)},
+     PAGEDLLM_GROUPED_KERNELS(quantize_row_q8_1, dot_q4_1, InterleavedQ4_1, ggml::block_q8_1,
+                              PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS, InterleavedQ4_1)},
     {6, "Q5_0", 32, 22, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0, RowsQ5_0, ggml::block_q8_0, kGemmMinRows)},
     {8, "Q8_0", 32, 34, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q8_0_q8_0, RowsQ8_0, ggml::block_q8_0, kGemmMinRows)},
     {12, "Q4_K", 256, 144, 292,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, dot_q4_K, RowsQ4K, ggml::block_q8_K, kGemmMinRows)},
+     PAGEDLLM_GROUPED_KERNELS(quantize_row_q8_K, dot_q4_K, RowsQ4K, ggml::block_q8_K, kGemmMinRows,
+                              InterleavedQ4K)},
     {13, "Q5_K", 256, 176, 292,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K, RowsQ5K, ggml::block_q8_K, kGemmMinRows)},
     {14, "Q6_K", 256, 210, 292,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, dot_q6_K, RowsQ6K, ggml::block_q8_K, kGemmMinRows)},
+     PAGEDLLM_GROUPED_KERNELS(quantize_row_q8_K, dot_q6_K, RowsQ6K, ggml::block_q8_K, kGemmMinRows,
+                              InterleavedQ6K)},
 };
 #undef PAGEDLLM_GEMM_KERNELS
+#undef PAGEDLLM_GROUPED_KERNELS
 
 const GgufType& gguf_type(int64_t id) {
   for (const GgufType& t : kTypes)
@@ -206,25 +224,29 @@ struct Part {
   const BlockKernels* kernels;
   const uint8_t* activations;  // x as this part's type multiplies it
   int64_t activation_row_bytes;
+  bool grouped;  // in the interleaved layout: taken by kernels->grouped, 16 rows at a time
 };
 
 // Output features [lo, hi) of part p: each tile of weight rows is multiplied with every
 // input row while it stays in cache (the panel takes the input rows in groups).
 void multiply_tiles(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t k,
                     int64_t total, float* out) {
-  const int64_t tile = std::max<int64_t>(1, kWeightTileBytes / p.row_bytes);
+  const int64_t unit = p.grouped ? kInterleavedGroupRows : 1;
+  const int64_t tile = std::max<int64_t>(1, kWeightTileBytes / p.row_bytes / unit) * unit;
+  const RowsPanel panel = p.grouped ? p.kernels->grouped : p.kernels->rows;
   for (int64_t j0 = lo; j0 < hi; j0 += tile) {
     const int64_t j1 = std::min(hi, j0 + tile);
-    p.kernels->rows(static_cast<int>(k), p.weight + (j0 - p.first_column) * p.row_bytes,
-                    p.row_bytes, j1 - j0, p.activations, p.activation_row_bytes,
-                    static_cast<int>(rows), out + j0, total);
+    panel(static_cast<int>(k), p.weight + (j0 - p.first_column) * p.row_bytes, p.row_bytes,
+          j1 - j0, p.activations, p.activation_row_bytes, static_cast<int>(rows), out + j0,
+          total);
   }
 }
 
 // x [rows, k] @ the parts' rows^T, stacked, into out [rows, sum of the parts' rows]: the
 // activations are quantized once per kind of block, and the output features of all parts
-// are split over the threads in one parallel region; each part takes its type's gemm
-// method where `method` says so (use_gemm).
+// are split over the threads in one parallel region (in whole groups of 16 where a part
+// is interleaved, so every part's rows are); each part takes its type's gemm method where
+// `method` says so (use_gemm), or its interleaved layout's.
 void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& parts,
                     float* out, Method method) {
   std::vector<std::pair<QuantizeRow, std::vector<uint8_t>>> quantized;
@@ -245,13 +267,20 @@ void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& 
     }
     p.activations = same->second.data();
   }
+  const bool grouped = std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.grouped; });
+  const int64_t unit = grouped ? kInterleavedGroupRows : 1;
+  for (const Part& p : parts)
+    TORCH_CHECK_VALUE(p.rows % unit == 0, "a layer with interleaved parts needs every part's ",
+                      "rows in groups of ", unit, "; a part has ", p.rows);
   // Each weight row is read once and used for every input row while it is in cache.
-  const int64_t grain = std::max<int64_t>(1, 16384 / widest_row);
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / widest_row / unit);
+  at::parallel_for(0, total / unit, grain, [&](int64_t first_unit, int64_t end_unit) {
+    const int64_t begin = first_unit * unit, end = end_unit * unit;
     for (const Part& p : parts) {
       const int64_t lo = std::max(begin, p.first_column);
       const int64_t hi = std::min(end, p.first_column + p.rows);
-      if (use_gemm(*p.kernels, method, rows)) {
+      if (lo >= hi) continue;
+      if (p.grouped || use_gemm(*p.kernels, method, rows)) {
         multiply_tiles(p, lo, hi, rows, k, total, out);
         continue;
       }
@@ -265,7 +294,9 @@ void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& 
   });
 }
 
-// The checked part of a product: `weight` holds `out_features` rows of `type` blocks.
+// The checked part of a product: `weight` holds `out_features` rows of `type` blocks, as
+// the file stores them ([rows, bytes per row]) or interleaved ([rows / 16, 16, bytes per
+// row], gguf_interleave).
 Part weight_part(const at::Tensor& weight, const GgufType& type, const std::string& kernel,
                  int64_t k, int64_t out_features, int64_t first_column) {
   TORCH_CHECK_VALUE(out_features >= 0, "out_features must be >= 0, not ", out_features);
@@ -275,8 +306,13 @@ Part weight_part(const at::Tensor& weight, const GgufType& type, const std::stri
   TORCH_CHECK_VALUE(weight.numel() == out_features * row_bytes, "the weight has ",
                     weight.numel(), " bytes; ", out_features, " rows of ", k, " ", type.name,
                     " values take ", out_features * row_bytes);
-  return {weight.data_ptr<uint8_t>(), out_features, row_bytes, first_column,
-          &kernels_for(type, kernel), nullptr, k / type.block * type.activation_bytes};
+  const BlockKernels& kernels = kernels_for(type, kernel);
+  const bool grouped = weight.dim() == 3;
+  TORCH_CHECK_VALUE(!grouped || (weight.size(1) == kInterleavedGroupRows && kernels.grouped),
+                    "a [groups, 16, bytes per row] weight is interleaved: Q4_1, Q4_K or Q6_K ",
+                    "only, not ", type.name, " ", weight.sizes());
+  return {weight.data_ptr<uint8_t>(), out_features, row_bytes, first_column, &kernels, nullptr,
+          k / type.block * type.activation_bytes, grouped};
 }
 
 }  // namespace
@@ -295,9 +331,12 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
   for (size_t i = 0; i < weights.size(); ++i) {
     const GgufType& type = gguf_type(ggml_types[i]);
     const int64_t k = input_width(xc, type);
-    TORCH_CHECK_VALUE(weights[i].dim() == 2, "weight ", i, " must be [rows, bytes per row]");
-    parts.push_back(weight_part(weights[i], type, kernel, k, weights[i].size(0), total));
-    total += weights[i].size(0);
+    const int64_t dims = weights[i].dim();
+    TORCH_CHECK_VALUE(dims == 2 || dims == 3, "weight ", i, " must be [rows, bytes per row] ",
+                      "or interleaved [rows / 16, 16, bytes per row]");
+    const int64_t rows_i = dims == 2 ? weights[i].size(0) : weights[i].size(0) * weights[i].size(1);
+    parts.push_back(weight_part(weights[i], type, kernel, k, rows_i, total));
+    total += rows_i;
   }
   const int64_t rows = xc.size(0);
   const Method m = checked_method(method);
