@@ -18,13 +18,11 @@ from test_gguf_kernels import KERNELS, run, skip_unless_runs, weight_blocks
 
 pytestmark = pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels here")
 
-LAYOUT_TYPES = (T.Q4_1, T.Q4_K, T.Q6_K)
 # Each block's fields as (first byte, unit bytes, units), in the order the layout puts
-# them: Q4_1 d, m, qs; Q4_K d, dmin, scales, qs; Q6_K d, scales, ql, qh.
+# them: Q4_1 d, m, qs; Q4_K d, dmin, scales, qs.
 FIELDS = {
     T.Q4_1: ((0, 2, 1), (2, 2, 1), (4, 4, 4)),
     T.Q4_K: ((0, 2, 1), (2, 2, 1), (4, 4, 3), (16, 4, 32)),
-    T.Q6_K: ((208, 2, 1), (192, 2, 8), (0, 4, 32), (128, 4, 16)),
 }
 
 
@@ -41,7 +39,7 @@ def interleaved_reference(raw: np.ndarray, ggml_type: T) -> np.ndarray:
     return np.concatenate(fields, axis=-1).reshape(rows // 16, 16, -1)
 
 
-@pytest.mark.parametrize("ggml_type", LAYOUT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INTERLEAVED_TYPES, ids=lambda t: t.name)
 def test_layout_and_its_inverse(ggml_type: T) -> None:
     raw = weight_blocks(ggml_type, 48, 3 * block_geometry(ggml_type)[0], seed=2)
     got = interleave(torch.from_numpy(raw), ggml_type)
@@ -51,7 +49,7 @@ def test_layout_and_its_inverse(ggml_type: T) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("ggml_type", LAYOUT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INTERLEAVED_TYPES, ids=lambda t: t.name)
 def test_products_equal_the_file_rows_bit_for_bit(ggml_type: T, kernel: str) -> None:
     """Every row count from 1 to 9 (read in place up to the threshold, unpacked per pass
     above it), 23 and 300, on two groups of rows: the one-row method's bits on the file's
@@ -73,10 +71,10 @@ def test_refuses_what_the_layout_cannot_hold() -> None:
     ops = load_cpu_ops()
     with pytest.raises(ValueError, match="in groups of 16; got 8"):
         interleave(torch.zeros(8, 20, dtype=torch.uint8), T.Q4_1)
-    with pytest.raises(ValueError, match="GGML type 8 has no interleaved layout"):
-        interleave(torch.zeros(16, 34, dtype=torch.uint8), T.Q8_0)
+    with pytest.raises(ValueError, match="GGML type 14 has no interleaved layout"):
+        interleave(torch.zeros(16, 210, dtype=torch.uint8), T.Q6_K)
     x = torch.zeros(1, 32)
-    with pytest.raises(ValueError, match="Q4_1, Q4_K or Q6_K only, not Q8_0"):
+    with pytest.raises(ValueError, match="Q4_1 or Q4_K only, not Q8_0"):
         ops.gguf_linear_parts(x, [torch.zeros(1, 16, 34, dtype=torch.uint8)], [int(T.Q8_0)])
     grouped = torch.zeros(1, 16, 20, dtype=torch.uint8)
     with pytest.raises(ValueError, match="every part's rows in groups of 16; a part has 3"):
@@ -118,4 +116,3 @@ def test_linear_layer_interleaves_its_parts_where_they_allow() -> None:
     uneven = GGUFLinear(k, 40, kernels=load_cpu_ops())
     uneven.load([part(T.Q4_K, 32, k, 1), part(T.Q4_K, 8, k, 2)])
     assert not any(p.interleaved for p in uneven.parts)
-    assert set(INTERLEAVED_TYPES) == {T.Q4_1, T.Q4_K}

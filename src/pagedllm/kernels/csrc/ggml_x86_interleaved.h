@@ -298,10 +298,6 @@ static inline void lanes_store(float* out, LanesF v, int here) {
 static inline LanesF load_halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// kW pairs of int8 at p, as pairs of int16 (a lane's low half from the pair's first byte)
-static inline __m512i load_pairs(const uint8_t* p) {
-  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 #else
 using LanesI = __m256i;
 using LanesF = __m256;
@@ -372,9 +368,6 @@ static inline void lanes_store(float* out, LanesF v, int here) {
 static inline LanesF load_halves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-static inline __m256i load_pairs(const uint8_t* p) {
-  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 #endif
 
 // The interleaved layout's units (gguf_interleaved_layout.h) as kW int32 lanes, lane i from
@@ -387,10 +380,6 @@ static inline LaneInts load_lanes(const uint8_t* p) {
 }
 static inline LanesI as_lanes(LaneInts v) { return reinterpret_cast<LanesI>(v); }
 static inline LaneInts as_lane_ints(LanesI v) { return reinterpret_cast<LaneInts>(v); }
-// lane_scale of int32 lanes: the value itself (VNNI), or its 16 bits twice (AVX2)
-static inline LaneInts lanes_scale(LaneInts s) {
-  return kW == 16 ? s : (s & 0xFFFF) | (s << 16);
-}
 constexpr int32_t kLowNibbles = 0x0F0F0F0F;
 // unit u of the group's field at `field` (`unit` bytes each), for the rows from `lo` on
 static inline const uint8_t* unit_at(const uint8_t* field, int u, int lo, int unit) {
@@ -398,9 +387,9 @@ static inline const uint8_t* unit_at(const uint8_t* field, int u, int lo, int un
 }
 
 // Each kind reads a block of kW weight rows through a source: FromTile, a Tile the panel
-// interleaved from the file's rows for this call, or FromGroup, the rows lo..lo+kW-1 of a
-// group's block in the interleaved layout (p: the block), read in place. add_block's
-// arithmetic is the same for both, so are the bits.
+// interleaved from the file's rows for this call, or (Q4_1, Q4_K) FromGroup, the rows
+// lo..lo+kW-1 of a group's block in the interleaved layout (p: the block), read in place.
+// add_block's arithmetic is the same for both, so are the bits.
 struct InterleavedQ4_1 {
   static constexpr int kBlock = QK4_1;
   using Weight = block_q4_1;
@@ -620,34 +609,6 @@ struct InterleavedQ6K {
     LanesI scale_pair(int k) const { return lanes_load_i(t.scale_pairs[k]); }
     LanesF d() const { return lanes_load_f(t.d); }
   };
-  struct FromGroup {
-    const uint8_t* p;
-    int lo;
-    // values 32g + 4u.. (g = 4h + c) as q6_values_32 makes them: the low 4 bits from ql, the
-    // high 2 from qh
-    LanesI q(int g, int u) const {
-      const int h = g / 4, c = g % 4;
-      const LaneInts ql = load_lanes(unit_at(p + interleaved::kQ6KQl, 16 * h + 8 * (c % 2) + u, lo, 4));
-      const LaneInts qh = load_lanes(unit_at(p + interleaved::kQ6KQh, 8 * h + u, lo, 4));
-      return as_lanes(((ql >> 4 * (c / 2)) & kLowNibbles) | (((qh >> 2 * c) & 0x03030303) << 4));
-    }
-    LaneInts pair(int k) const {
-      return as_lane_ints(load_pairs(unit_at(p + interleaved::kQ6KScales, k, lo, 2)));
-    }
-    LanesI scale(int j) const {
-      const LaneInts both = pair(j / 2);
-      return as_lanes(lanes_scale(j % 2 ? both >> 16 : (both << 16) >> 16));
-    }
-    LanesI scale_pair(int k) const { return as_lanes(pair(k)); }
-    LanesF d() const { return load_halves(p + interleaved::kQ6KD + 2 * lo); }
-  };
-  static void fill(const FromGroup& w, Tile& t) {
-    for (int g = 0; g < 8; ++g)
-      for (int u = 0; u < 8; ++u) lanes_store_i(t.q[g][u], w.q(g, u));
-    for (int j = 0; j < 16; ++j) lanes_store_i(t.scales[j], w.scale(j));
-    for (int k = 0; k < 8; ++k) lanes_store_i(t.scale_pairs[k], w.scale_pair(k));
-    lanes_store(t.d, w.d(), kW);
-  }
   template <int R, typename W>
   static void add_block(const W& w, const Activation* const* ys, const Act* const* a, int b,
                         LanesF* acc) {

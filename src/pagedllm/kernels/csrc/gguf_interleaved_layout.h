@@ -1,4 +1,4 @@
-// The interleaved layout of Q4_1, Q4_K and Q6_K weights: the file's blocks of 16 weight rows
+// The interleaved layout of Q4_1 and Q4_K weights: the file's blocks of 16 weight rows
 // rearranged at load (gguf_repack.cpp) so that the interleaved kernels load every operand
 // as one vector, with no per-call shuffling (ggml_x86_interleaved.h, `expand`).
 //
@@ -13,8 +13,6 @@
 //   Q4_K (144): d, dmin (fp16); the 12 bytes of 6-bit scales and mins as three 4-byte
 //        units; qs in 4-byte units (unit 8k + t: sub-block 2k's values 4t.. in the low
 //        nibbles, 2k+1's in the high).
-//   Q6_K (210): d (fp16); scales in 2-byte units (sc_2k, sc_2k+1); ql in 4-byte units
-//        (unit 16h + 8c + t: bytes 64h + 32c + 4t..); qh in 4-byte units (8h + t).
 #pragma once
 
 #include <cstdint>
@@ -39,14 +37,12 @@ struct InterleavedLayout {
 constexpr InterleavedLayout kInterleavedLayouts[] = {
     {3, 20, 3, {{0, 2, 1, 0}, {2, 2, 1, 32}, {4, 4, 4, 64}}},
     {12, 144, 4, {{0, 2, 1, 0}, {2, 2, 1, 32}, {4, 4, 3, 64}, {16, 4, 32, 256}}},
-    {14, 210, 4, {{208, 2, 1, 0}, {192, 2, 8, 32}, {0, 4, 32, 288}, {128, 4, 16, 2336}}},
 };
 
 // Where each field of a group's block starts, for the kernels (the `to`s above).
 namespace interleaved {
 constexpr int kQ4_1D = 0, kQ4_1M = 32, kQ4_1Qs = 64;
 constexpr int kQ4KD = 0, kQ4KDmin = 32, kQ4KScales = 64, kQ4KQs = 256;
-constexpr int kQ6KD = 0, kQ6KScales = 32, kQ6KQl = 288, kQ6KQh = 2336;
 }  // namespace interleaved
 
 }  // namespace pagedllm

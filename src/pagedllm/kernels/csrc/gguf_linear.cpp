@@ -117,20 +117,18 @@ float dot_fp(int n, const void* weight_row, const void* activation_row) {
   return sum;
 }
 
-#define PAGEDLLM_GEMM_KERNELS(quantize, dot, rows, block, min_rows)                          \
-  {gguf_avx2::quantize, gguf_avx2::dot, gguf_avx2::Panel<gguf_avx2::rows, block>::run,       \
-   min_rows},                                                                                 \
-  {                                                                                           \
-    gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::Panel<gguf_vnni::rows, block>::run,       \
-        min_rows                                                                              \
-  }
-#define PAGEDLLM_GROUPED_KERNELS(quantize, dot, rows, block, min_rows, kind)                \
-  {gguf_avx2::quantize, gguf_avx2::dot, gguf_avx2::Panel<gguf_avx2::rows, block>::run,       \
-   min_rows, gguf_avx2::grouped_panel<gguf_avx2::kind, kInPlaceMaxRows>},                                      \
-  {                                                                                           \
-    gguf_vnni::quantize, gguf_vnni::dot, gguf_vnni::Panel<gguf_vnni::rows, block>::run,       \
-        min_rows, gguf_vnni::grouped_panel<gguf_vnni::kind, kInPlaceMaxRows>                                \
-  }
+// A type's kernels in one build (namespace ns); grouped: its panel on the interleaved layout
+// (nullptr: none).
+#define PAGEDLLM_BUILD(ns, quantize, dot, rows, block, min_rows, grouped) \
+  {ns::quantize, ns::dot, ns::Panel<ns::rows, block>::run, min_rows, grouped}
+#define PAGEDLLM_GEMM_KERNELS(quantize, dot, rows, block, min_rows)           \
+  PAGEDLLM_BUILD(gguf_avx2, quantize, dot, rows, block, min_rows, nullptr), \
+      PAGEDLLM_BUILD(gguf_vnni, quantize, dot, rows, block, min_rows, nullptr)
+#define PAGEDLLM_GROUPED_KERNELS(quantize, dot, rows, block, min_rows, kind)                   \
+  PAGEDLLM_BUILD(gguf_avx2, quantize, dot, rows, block, min_rows,                           \
+                 (gguf_avx2::grouped_panel<gguf_avx2::kind, kInPlaceMaxRows>)),             \
+      PAGEDLLM_BUILD(gguf_vnni, quantize, dot, rows, block, min_rows,                       \
+                     (gguf_vnni::grouped_panel<gguf_vnni::kind, kInPlaceMaxRows>))
 
 const GgufType kTypes[] = {
     {1, "F16", 1, 2, 4, {nullptr, dot_fp<c10::Half>}, {nullptr, dot_fp<c10::Half>}},
@@ -150,9 +148,9 @@ const GgufType kTypes[] = {
     {13, "Q5_K", 256, 176, 292,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, vec_dot_q5_K_q8_K, RowsQ5K, ggml::block_q8_K, kGemmMinRows)},
     {14, "Q6_K", 256, 210, 292,
-     PAGEDLLM_GROUPED_KERNELS(quantize_row_q8_K, dot_q6_K, RowsQ6K, ggml::block_q8_K, kGemmMinRows,
-                              InterleavedQ6K)},
+     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_K, dot_q6_K, RowsQ6K, ggml::block_q8_K, kGemmMinRows)},
 };
+#undef PAGEDLLM_BUILD
 #undef PAGEDLLM_GEMM_KERNELS
 #undef PAGEDLLM_GROUPED_KERNELS
 
@@ -309,7 +307,7 @@ Part weight_part(const at::Tensor& weight, const GgufType& type, const std::stri
   const BlockKernels& kernels = kernels_for(type, kernel);
   const bool grouped = weight.dim() == 3;
   TORCH_CHECK_VALUE(!grouped || (weight.size(1) == kInterleavedGroupRows && kernels.grouped),
-                    "a [groups, 16, bytes per row] weight is interleaved: Q4_1, Q4_K or Q6_K ",
+                    "a [groups, 16, bytes per row] weight is interleaved: Q4_1 or Q4_K ",
                     "only, not ", type.name, " ", weight.sizes());
   return {weight.data_ptr<uint8_t>(), out_features, row_bytes, first_column, &kernels, nullptr,
           k / type.block * type.activation_bytes, grouped};
