@@ -116,3 +116,15 @@ def test_linear_layer_interleaves_its_parts_where_they_allow() -> None:
     uneven = GGUFLinear(k, 40, kernels=load_cpu_ops())
     uneven.load([part(T.Q4_K, 32, k, 1), part(T.Q4_K, 8, k, 2)])
     assert not any(p.interleaved for p in uneven.parts)
+
+
+def test_two_layers_over_one_weight_share_its_interleaved_copy() -> None:
+    """A draft that is the target's own file loads the same weights again: one copy."""
+    weights = [part(T.Q4_1, 32, 64, 4)]
+    first, second = (
+        GGUFLinear(64, 32, kernels=load_cpu_ops()),
+        GGUFLinear(64, 32, kernels=load_cpu_ops()),
+    )
+    first.load(weights)
+    second.load(weights)
+    assert first.parts[0].interleaved and first.parts[0] is second.parts[0]

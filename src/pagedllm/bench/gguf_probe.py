@@ -78,7 +78,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model, keep_quantized=True)
     engine, runner = engine_over_runner(config, loaded)
     built = time.perf_counter()
-    prompts = random_prompts(loaded.config.vocab_size, 1, PROMPT_LEN, seed=0)
+    vocab_size, source = loaded.config.vocab_size, loaded.source
+    weight_bytes = stored_weight_bytes_per_step(loaded)
+    # The engine holds the weights it computes with; what else the loader returned (the Q/K
+    # rows it permuted into copies, since interleaved) a serving process does not keep.
+    del loaded
+    prompts = random_prompts(vocab_size, 1, PROMPT_LEN, seed=0)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     engine.add_request("ready", prompts[0][:1], params)
     while engine.has_unfinished_requests():
@@ -90,13 +95,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ready_s": round(ready - start, 3),
         "process_ready_s": round(ready_wall - args.started_at, 3),
         "ms_per_token": round(1000 * step_s, 3),
-        "kv_pool_bytes": kv_pool_bytes(config, read_model_header(loaded.source)),
-        "weight_bytes_per_step": stored_weight_bytes_per_step(loaded),
+        "kv_pool_bytes": kv_pool_bytes(config, read_model_header(source)),
+        "weight_bytes_per_step": weight_bytes,
         "threads": torch.get_num_threads(),
         "gguf_kernel": kernel_build(),  # "vnni" or "avx2": PAGEDLLM_NO_VNNI=1 forces avx2
     }
     if args.prompt_tokens > 0:
-        figures |= prompt_figures(engine, loaded.config.vocab_size, args.prompt_tokens)
+        figures |= prompt_figures(engine, vocab_size, args.prompt_tokens)
     engine.shutdown()
     return figures
 

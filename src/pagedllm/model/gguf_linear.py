@@ -18,6 +18,7 @@ and dequantized the op's way, weights dequantized per call.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -148,12 +149,19 @@ class GGUFLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+# Each weight's interleaved copy while the weight lives: two models over the same loaded
+# weights (a draft that is the target's own file) share one copy, as they share the map.
+_INTERLEAVED: weakref.WeakKeyDictionary[GGUFWeight, GGUFWeight] = weakref.WeakKeyDictionary()
+
+
 def _interleaved(weight: GGUFWeight) -> GGUFWeight:
     """`weight` in the interleaved layout if its type has it (its source pages released)."""
     if weight.ggml_type not in INTERLEAVED_TYPES or weight.interleaved:
         return weight
-    blocks = interleave(weight.blocks.contiguous(), weight.ggml_type, release_source=True)
-    return GGUFWeight(blocks, weight.ggml_type, weight.in_features)
+    if (done := _INTERLEAVED.get(weight)) is None:
+        blocks = interleave(weight.blocks.contiguous(), weight.ggml_type, release_source=True)
+        done = _INTERLEAVED[weight] = GGUFWeight(blocks, weight.ggml_type, weight.in_features)
+    return done
 
 
 def embed_rows(ids: torch.Tensor, table: GGUFWeight) -> torch.Tensor:

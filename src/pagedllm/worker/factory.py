@@ -96,7 +96,7 @@ def _draft_model(path: str, target: LoadedModel, options: RunnerOptions) -> Load
     """The draft model at `path`, loaded as `options.quantization` computes on it: the
     target's own weights when it names the same file loaded in that form (a self-draft,
     e.g. quantized; each model copies the weights it computes with, and blocks kept are
-    views of the file's map)."""
+    views of the file's map, or one interleaved copy the two models share)."""
     keep = options.quantization == "gguf"
     try:
         same = os.path.realpath(resolve_model_path(path)) == os.path.realpath(target.source)
