@@ -1,6 +1,6 @@
 // The interleaved layout of Q4_1 and Q4_K weights: the file's blocks of 16 weight rows
 // rearranged at load (gguf_repack.cpp) so that the interleaved kernels load every operand
-// as one vector, with no per-call shuffling (ggml_x86_interleaved.h, `expand`).
+// as one vector, with no per-call shuffling (ggml_x86_interleaved.h, each kind's FromGroup).
 //
 // 16 rows form a group: the group's bytes are the 16 rows' bytes (16 * row_bytes, so the
 // tensor keeps its size), block b of all 16 rows at b * 16 * block_bytes. Within it each
@@ -39,10 +39,15 @@ constexpr InterleavedLayout kInterleavedLayouts[] = {
     {12, 144, 4, {{0, 2, 1, 0}, {2, 2, 1, 32}, {4, 4, 3, 64}, {16, 4, 32, 256}}},
 };
 
-// Where each field of a group's block starts, for the kernels (the `to`s above).
+// Where each field of a group's block starts, for the kernels: the `to`s above.
 namespace interleaved {
-constexpr int kQ4_1D = 0, kQ4_1M = 32, kQ4_1Qs = 64;
-constexpr int kQ4KD = 0, kQ4KDmin = 32, kQ4KScales = 64, kQ4KQs = 256;
+constexpr const InterleavedField* kQ4_1 = kInterleavedLayouts[0].fields;
+constexpr const InterleavedField* kQ4K = kInterleavedLayouts[1].fields;
+static_assert(kInterleavedLayouts[0].ggml_type == 3 && kInterleavedLayouts[1].ggml_type == 12,
+              "Q4_1's layout first, then Q4_K's");
+constexpr int kQ4_1D = kQ4_1[0].to, kQ4_1M = kQ4_1[1].to, kQ4_1Qs = kQ4_1[2].to;
+constexpr int kQ4KD = kQ4K[0].to, kQ4KDmin = kQ4K[1].to, kQ4KScales = kQ4K[2].to,
+              kQ4KQs = kQ4K[3].to;
 }  // namespace interleaved
 
 }  // namespace pagedllm

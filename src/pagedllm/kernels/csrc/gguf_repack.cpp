@@ -5,11 +5,11 @@
 //
 // blocks: uint8 [rows, bytes per row], rows a multiple of 16; the result is a new tensor
 // [rows / 16, 16, bytes per row], the shape by which gguf_linear knows the layout (inverse:
-// from that shape back to the file's). With release_source, the pages wholly inside the source are handed back
-// to the kernel afterwards (madvise MADV_PAGEOUT): a tensor read through the file's memory
-// map then stops counting in the process's resident memory, so interleaving a model at load
-// does not hold it twice. The advice never changes the memory's contents (anonymous pages
-// without swap simply stay), so it is safe on any source.
+// from that shape back to the file's). With release_source, the pages wholly inside the
+// source are handed back to the kernel afterwards (madvise MADV_PAGEOUT): a tensor read
+// through the file's memory map then stops counting in the process's resident memory, so
+// interleaving a model at load does not hold it twice. The advice never changes the
+// memory's contents (anonymous pages without swap simply stay), so it is safe on any source.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
