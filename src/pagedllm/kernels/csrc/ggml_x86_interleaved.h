@@ -693,16 +693,16 @@ static void interleaved_panel(int n, const uint8_t* weights, int64_t row_bytes, 
   const int nb = n / Kind::kBlock;
   thread_local std::vector<Tile> tile;
   tile.resize(nb);
+  auto rows_at = [&](int64_t p0, int here) {
+    const Weight* x[kW];
+    for (int i = 0; i < kW; ++i)
+      x[i] = i < here ? reinterpret_cast<const Weight*>(weights + (p0 + i) * row_bytes) : nullptr;
+    for (int b = 0; b < nb; ++b) Kind::interleave(x, b, tile[b]);
+    const Tile* t = tile.data();
+    return [t](int b) { return typename Kind::FromTile{t[b]}; };
+  };
   weight_row_passes<Kind>(n, count, activations, activation_stride, rows, out, out_stride,
-                          [&](int64_t p0, int here) {
-                            const Weight* x[kW];
-                            for (int i = 0; i < kW; ++i)
-                              x[i] = i < here ? reinterpret_cast<const Weight*>(weights + (p0 + i) * row_bytes)
-                                              : nullptr;
-                            for (int b = 0; b < nb; ++b) Kind::interleave(x, b, tile[b]);
-                            const Tile* t = tile.data();
-                            return [t](int b) { return typename Kind::FromTile{t[b]}; };
-                          });
+                          rows_at);
 }
 
 // The weight rows in the interleaved layout (gguf_interleaved_layout.h); `weights` starts a
@@ -723,30 +723,31 @@ static void grouped_panel(int n, const uint8_t* weights, int64_t row_bytes, int6
   const int nb = n / Kind::kBlock;
   auto group_of = [&](int64_t p0) { return weights + p0 / G * G * row_bytes; };
   if (rows <= in_place_rows) {
+    auto in_place = [&](int64_t p0, int) {
+      const uint8_t* group = group_of(p0);
+      const int lo = static_cast<int>(p0 % G);
+      return [group, lo](int b) {
+        const uint8_t* block = group + b * block_bytes;
+        for (int64_t c = 0; c < block_bytes; c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAhead + c), _MM_HINT_T0);
+        return FromGroup{block, lo};
+      };
+    };
     weight_row_passes<Kind>(n, count, activations, activation_stride, rows, out, out_stride,
-                            [&](int64_t p0, int) {
-                              const uint8_t* group = group_of(p0);
-                              const int lo = static_cast<int>(p0 % G);
-                              return [group, lo](int b) {
-                                const uint8_t* block = group + b * block_bytes;
-                                for (int64_t c = 0; c < block_bytes; c += 64)
-                                  _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAhead + c),
-                                               _MM_HINT_T0);
-                                return FromGroup{block, lo};
-                              };
-                            });
+                            in_place);
     return;
   }
   thread_local std::vector<Tile> tile;
   tile.resize(nb);
+  auto unpacked = [&](int64_t p0, int) {
+    const uint8_t* group = group_of(p0);
+    const int lo = static_cast<int>(p0 % G);
+    for (int b = 0; b < nb; ++b) Kind::fill(FromGroup{group + b * block_bytes, lo}, tile[b]);
+    const Tile* t = tile.data();
+    return [t](int b) { return typename Kind::FromTile{t[b]}; };
+  };
   weight_row_passes<Kind>(n, count, activations, activation_stride, rows, out, out_stride,
-                          [&](int64_t p0, int) {
-                            const uint8_t* group = group_of(p0);
-                            for (int b = 0; b < nb; ++b)
-                              Kind::fill(FromGroup{group + b * block_bytes, static_cast<int>(p0 % G)}, tile[b]);
-                            const Tile* t = tile.data();
-                            return [t](int b) { return typename Kind::FromTile{t[b]}; };
-                          });
+                          unpacked);
 }
 
 // Below `min_rows` activation rows, Few's rows kernel (rows_panel's loop); from it on, the

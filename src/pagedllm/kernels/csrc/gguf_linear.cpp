@@ -73,7 +73,7 @@ constexpr int64_t kGemmMinRows = PAGEDLLM_GGUF_GEMM_MIN_ROWS;
 #error "PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
 #ifndef PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS
-#error "PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS must be defined by the build (kernels/policy.py)"
+#error "PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS must be defined by the build (policy.py)"
 #endif
 constexpr int kInPlaceMaxRows = PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS;
 // Bytes of weight rows one tile of the gemm method holds: read from memory once, then from
@@ -265,7 +265,8 @@ void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& 
     }
     p.activations = same->second.data();
   }
-  const bool grouped = std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.grouped; });
+  const bool grouped =
+      std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.grouped; });
   const int64_t unit = grouped ? kInterleavedGroupRows : 1;
   for (const Part& p : parts)
     TORCH_CHECK_VALUE(p.rows % unit == 0, "a layer with interleaved parts needs every part's ",
