@@ -244,6 +244,17 @@ using LanesI = __m512i;
 using LanesF = __m512;
 template <int R, typename W>
 static inline void sums_32(W w, const int8_t* const* q, LanesI* s) {
+  if constexpr (R >= 8) {  // R chains hide vpdpbusd's latency without a second set
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; ++t) {
+      const __m512i wt = w(t);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
+        s[r] = _mm512_dpbusd_epi32(s[r], wt, _mm512_set1_epi32(a[t]));
+      }
+    }
+    return;
+  }
   __m512i s1[R];
   for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512(), s1[r] = _mm512_setzero_si512();
   for (int t = 0; t < 8; t += 2) {
@@ -392,6 +403,9 @@ static inline const uint8_t* unit_at(const uint8_t* field, int u, int lo, int un
 // add_block's arithmetic is the same for both, so are the bits.
 struct InterleavedQ4_1 {
   static constexpr int kBlock = QK4_1;
+  // Activation rows per pass of a weight tile. Q4_1's float steps per 32 values leave
+  // nothing to gain from 8 (measured: scripts/int8_mac_ceiling.py).
+  static constexpr int kPassRows = 4;
   using Weight = block_q4_1;
   using Activation = block_q8_1;
   struct Act {
@@ -453,6 +467,10 @@ struct InterleavedQ4_1 {
 
 struct InterleavedQ4K {
   static constexpr int kBlock = QK_K;
+  // 8 activation rows per pass in the VNNI build: each weight load then feeds 8 vpdpbusd,
+  // not 4, and the rows' 8 accumulators hide its latency (1.25-1.6x the products per
+  // second of 4 rows, scripts/int8_mac_ceiling.py); the AVX2 build's 16 registers hold 4.
+  static constexpr int kPassRows = kW == 16 ? 8 : 4;
   using Weight = block_q4_K;
   using Activation = block_q8_K;
   struct Act {
@@ -568,6 +586,7 @@ struct InterleavedQ4K {
 
 struct InterleavedQ6K {
   static constexpr int kBlock = QK_K;
+  static constexpr int kPassRows = kW == 16 ? 8 : 4;  // as Q4_K's
   using Weight = block_q6_K;
   using Activation = block_q8_K;
   struct Act {
@@ -640,7 +659,8 @@ static void interleaved_rows(int nb, Source source, const typename Kind::Activat
 }
 
 // The interleaved panels' loops: kW weight rows at a time (rows_at(p0, here): a source of
-// rows p0.., as interleaved_rows takes it), the activation rows through them 4 at a time.
+// rows p0.., as interleaved_rows takes it), the activation rows through them
+// Kind::kPassRows at a time.
 // What only the activations decide (Kind::Act) is made once for the whole panel, in a
 // buffer of the thread's own, kept from call to call (a decode step makes hundreds of
 // these calls).
@@ -658,7 +678,7 @@ static void weight_row_passes(int n, int64_t count, const uint8_t* activations,
   acts.resize(static_cast<size_t>(rows) * nb);
   for (int r = 0; r < rows; ++r)
     for (int b = 0; b < nb; ++b) acts[static_cast<size_t>(r) * nb + b] = Kind::act(activation_row(r)[b]);
-  constexpr int kRows = 4;
+  constexpr int kRows = Kind::kPassRows;
   for (int64_t p0 = 0; p0 < count; p0 += kW) {
     const int here = static_cast<int>(std::min<int64_t>(kW, count - p0));
     const auto source = rows_at(p0, here);
@@ -673,6 +693,10 @@ static void weight_row_passes(int n, int64_t count, const uint8_t* activations,
         o[r] = out + (r0 + r) * out_stride + p0;
       }
       switch (group) {
+        case 8: interleaved_rows<Kind, 8>(nb, source, ys, a, o, here); break;
+        case 7: interleaved_rows<Kind, 7>(nb, source, ys, a, o, here); break;
+        case 6: interleaved_rows<Kind, 6>(nb, source, ys, a, o, here); break;
+        case 5: interleaved_rows<Kind, 5>(nb, source, ys, a, o, here); break;
         case 4: interleaved_rows<Kind, 4>(nb, source, ys, a, o, here); break;
         case 3: interleaved_rows<Kind, 3>(nb, source, ys, a, o, here); break;
         case 2: interleaved_rows<Kind, 2>(nb, source, ys, a, o, here); break;
