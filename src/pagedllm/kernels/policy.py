@@ -53,8 +53,8 @@ GGUF_Q4_K_INTERLEAVED_MIN_ROWS = 3
 GGUF_Q6_K_INTERLEAVED_MIN_ROWS = 6
 
 # Q4_1 and Q4_K weights are interleaved at load (16 rows at a time, see
-# csrc/gguf_interleaved_layout.h) when the kernels build. Up to this many input rows (one
-# pass of the interleaved kernels' rows in both builds) the kernels read them in place; above, each
+# csrc/gguf_interleaved_layout.h) when the kernels build. Up to this many input rows (the
+# fewest activation rows any build's pass takes) the kernels read them in place; above, each
 # pass over 16 weight rows unpacks them once for all the passes of input rows (measured
 # faster there in the AVX2 build, the same in the VNNI one: docs/kernels.md).
 GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS = 4
