@@ -136,7 +136,8 @@ def test_pagedllm_probe_figures(tokenizer_source: str, built_kernels: None, tmp_
     assert len(got["prompt_repetitions_ms"]) == PROMPT_REPETITIONS
     median = sorted(got["prompt_repetitions_ms"])[PROMPT_REPETITIONS // 2]
     assert got["prompt_ms"] == pytest.approx(median, abs=0.01)
-    assert got["prompt_tok_s"] == pytest.approx(40_000 / got["prompt_ms"], rel=1e-3)
+    # prompt_ms is rounded to 0.001, which on a tiny model is more than 0.1% of it
+    assert got["prompt_ms"] == pytest.approx(40_000 / got["prompt_tok_s"], abs=6e-4)
 
 
 def test_probe_says_when_the_prompt_does_not_fit(tmp_path: Path) -> None:
@@ -231,8 +232,9 @@ def test_bench_over_llama_cpp_tools(
     assert row["llama_cpp_prompt_repetitions_ms"] == [48.0, 144.0]
     assert row["pagedllm_prompt_tok_s"] > 0
     assert len(row["pagedllm_prompt_repetitions_ms"]) == PROMPT_REPETITIONS
-    assert row["pagedllm_prompt_tok_s"] == pytest.approx(
-        48_000 / row["pagedllm_prompt_ms"], rel=2e-3
+    # the row rounds ms to 0.01: on a tiny model (about 1.3 ms) that alone is 0.4% of it
+    assert row["pagedllm_prompt_ms"] == pytest.approx(
+        48_000 / row["pagedllm_prompt_tok_s"], abs=0.0051
     )
     assert len(row["prompt_round_ratios"]) == 3
     ratio = row["pagedllm_prompt_tok_s"] / 500.0  # higher: pagedllm processes faster
