@@ -27,8 +27,14 @@ from pagedllm.entrypoints.engine_args import engine_options
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import BeamSearchParams, StructuredOutputs
 
+# Speculating with up to 7 running sequences (the default stops at 4), so that batches
+# are checked too.
 NGRAM = dict(
-    speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3
+    speculative_method="ngram",
+    num_speculative_tokens=4,
+    prompt_lookup_min=1,
+    prompt_lookup_max=3,
+    speculative_disable_by_batch_size=8,
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 GEMMA_LAYERS = ["sliding_attention", "sliding_attention", "full_attention"] * 2
@@ -197,7 +203,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(sharp_llama_dir, 
 
 def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_or_off(sharp_llama_dir, prompts):
     """T=0.8, seed 7: alone it speculates; beside 9 others, speculation is off by batch
-    size (8 by default). Its tokens are the same either way."""
+    size (8 here). Its tokens are the same either way."""
     params = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=7)
     alone, llm = run(sharp_llama_dir, prompts[:1], params, **NGRAM)
     assert llm.engine.snapshot().spec_accepted_tokens > 0
@@ -219,7 +225,7 @@ def test_who_does_not_speculate(tiny_llama_dir, prompts):
         (BeamSearchParams(beam_width=2, max_tokens=8), {}),
         (GREEDY, dict(speculative_disable_by_batch_size=2)),
     ):
-        llm = LLM(str(tiny_llama_dir), block_size=4, **NGRAM, **options)
+        llm = LLM(str(tiny_llama_dir), block_size=4, **{**NGRAM, **options})
         if isinstance(params, BeamSearchParams):
             llm.beam_search([{"prompt_token_ids": p} for p in prompts[:2]], params, False)
         else:

@@ -154,10 +154,10 @@ def test_config_from_engine_options() -> None:
     limited = speculative_config_from("ngram", 2, speculative_disable_by_batch_size=8)
     assert limited is not None
     assert limited.speculates_at(7) and not limited.speculates_at(8)
-    # The measured default stops at 8 running sequences; None speculates at every size.
-    assert ngram.disable_by_batch_size == 8
-    assert SpeculativeConfig("ngram", 2).speculates_at(7)
-    assert not SpeculativeConfig("ngram", 2).speculates_at(8)
+    # The measured default stops at 4 running sequences; None speculates at every size.
+    assert ngram.disable_by_batch_size == 4
+    assert SpeculativeConfig("ngram", 2).speculates_at(3)
+    assert not SpeculativeConfig("ngram", 2).speculates_at(4)
     assert SpeculativeConfig("ngram", 2, disable_by_batch_size=None).speculates_at(10_000)
 
 

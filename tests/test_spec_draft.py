@@ -53,8 +53,13 @@ def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def draft(model: Path | str, k: int = K, **extra) -> dict:
+    """Draft options, speculating with up to 7 running sequences unless `extra` says
+    otherwise (the default stops at 4), so that batches are checked too."""
     return dict(
-        speculative_method="draft", speculative_model=str(model), num_speculative_tokens=k, **extra
+        speculative_method="draft",
+        speculative_model=str(model),
+        num_speculative_tokens=k,
+        **{"speculative_disable_by_batch_size": 8, **extra},
     )
 
 

@@ -157,7 +157,7 @@ OPTIONS = (
     _Option("prompt_lookup_max", "ngram: longest suffix looked up (default 5)", int),
     _Option(
         "speculative_disable_by_batch_size",
-        "speculate only while fewer sequences than this are running (default 8, measured; "
+        "speculate only while fewer sequences than this are running (default 4, measured; "
         "a value above --max-num-seqs speculates at every batch size)",
         int,
     ),

@@ -26,11 +26,11 @@ MAX_SPECULATIVE_TOKENS = 128
 DEFAULT_PROMPT_LOOKUP = 5
 # Speculate only while fewer sequences than this run, unless the engine's options say
 # otherwise: measured with `pagedllm bench spec-streams --sweep` (docs/benchmarks.md) on
-# 2-core CPUs, n-gram speculation on chat (low acceptance) cost 30-50% of the throughput
-# at 8 running sequences, where a step's rows leave the weight-bound matrix-vector regime
-# (kernels/policy.py's GEMV_MAX_ROWS), and gained nothing reliable above; below it, it
-# pays (one stream copying its input: TPOT 2.2x lower).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# 2-core CPUs, on the default model's GGUF blocks (the default path), n-gram speculation
+# on chat (low acceptance) cost 2-10% of the throughput at 4 running sequences and
+# 10-13% at 8, and gained nothing above; at 1 and 2 sequences it pays (one stream: 1.46-
+# 1.81x the tokens/s).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
