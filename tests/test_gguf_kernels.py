@@ -247,7 +247,8 @@ def test_layer_equals_dequantized_product(
 @pytest.mark.parametrize("ggml_type", (*QUANT_TYPES, T.F16), ids=lambda t: t.name)
 def test_wide_rows(ggml_type: T) -> None:
     """Rows as wide as a 7B model's FFN down projection (18944 inputs, activation blocks
-    larger than the L1 cache): the product within 1e-5 of the sum of its magnitudes."""
+    larger than the L1 cache): the product within 1e-5 of the sum of its magnitudes, and
+    the one-row method the gemm method's bits."""
     k, out = 18944, 6
     x = np.random.default_rng(5).standard_normal((3, k)).astype(np.float32)
     if ggml_type == T.F16:
@@ -261,6 +262,9 @@ def test_wide_rows(ggml_type: T) -> None:
     for kernel in KERNELS if has_vnni else ("avx2",):
         y = run(ggml_type, raw, x, kernel)
         assert np.all(np.abs(y - expected) <= 1e-5 * magnitude + 1e-30)
+        if ggml_type in GEMM_TYPES:
+            gemv = run(ggml_type, raw, x, kernel, "gemv")
+            assert np.array_equal(run(ggml_type, raw, x, kernel, "gemm"), gemv)
 
 
 def exact_scales(ggml_type: T, raw: np.ndarray) -> np.ndarray:
