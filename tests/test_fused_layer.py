@@ -95,3 +95,23 @@ def test_layers_stay_step_by_step_where_the_fused_call_does_not_apply(tiny_llama
     # fp32 weights: nothing to fuse.
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=8)
     assert llm.engine.runner.model.fused_layers == 0
+
+
+def test_a_long_prompt_gives_the_step_by_step_bits(tmp_path: Path, request) -> None:
+    """200 tokens in one forward: the fused call takes the MLP 128 rows at a time (so that
+    a prompt's gate/up output is never held whole), the step-by-step forward all rows at
+    once; every row's logits are the same bits."""
+    llm = LLM(str(_llama_mixed_gguf(tmp_path, request)), quantization="gguf", num_kv_blocks=64)
+    model, runner = llm.engine.runner.model, llm.engine.runner
+    assert model.fused_gguf is not None
+    prompt = [(7 * i) % 90 + 1 for i in range(200)]
+    fused = runner.logits_of(prompt)
+    saved = [layer.fused for layer in model.layers], model.fused_gguf
+    for layer in model.layers:
+        layer.fused = None
+    model.fused_gguf = None
+    step_by_step = runner.logits_of(prompt)
+    for layer, fusion in zip(model.layers, saved[0], strict=True):
+        layer.fused = fusion
+    model.fused_gguf = saved[1]
+    assert torch.equal(fused, step_by_step)

@@ -26,6 +26,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <functional>
 #include <optional>
 #include <sstream>
@@ -52,6 +53,25 @@ struct LayerShape {
 
 // Which linear layer: qkv, o, gate_up, down.
 using Linear = std::function<at::Tensor(int which, const at::Tensor& x)>;
+
+// The MLP takes a prompt's rows this many at a time, so that its gate/up output and their
+// product ([rows, 3 x FFN] floats: 116 MB for 512 tokens of a 7B) are never held for all
+// of them at once; each row's arithmetic is the same (the products give the same bits at
+// any row count).
+constexpr int64_t kMlpRows = 128;
+
+at::Tensor mlp(const Linear& linear, const at::Tensor& x) {
+  const int64_t t = x.size(0);
+  if (t <= kMlpRows) return linear(3, pagedllm::silu_and_mul(linear(2, x)));
+  at::Tensor out;
+  for (int64_t r0 = 0; r0 < t; r0 += kMlpRows) {
+    const int64_t n = std::min(kMlpRows, t - r0);
+    const at::Tensor part = linear(3, pagedllm::silu_and_mul(linear(2, x.narrow(0, r0, n))));
+    if (!out.defined()) out = at::empty({t, part.size(1)}, part.options());
+    out.narrow(0, r0, n).copy_(part);
+  }
+  return out;
+}
 
 std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual_in,
@@ -80,8 +100,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
                             cache.work_items, cache.merges, s.scale, s.window);
   const at::Tensor o = linear(1, attn.view({t, q_size}));
   x = pagedllm::add_rms_norm(o, residual, post_norm, s.eps);
-  const at::Tensor act = pagedllm::silu_and_mul(linear(2, x));
-  return {linear(3, act), residual};
+  return {mlp(linear, x), residual};
 }
 
 constexpr int kInt8Fields = 6;  // inv_smooth, weight_t, weight_scale, weight_sums, bias, panels
