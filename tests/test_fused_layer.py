@@ -97,14 +97,21 @@ def test_layers_stay_step_by_step_where_the_fused_call_does_not_apply(tiny_llama
     assert llm.engine.runner.model.fused_layers == 0
 
 
-def test_a_long_prompt_gives_the_step_by_step_bits(tmp_path: Path, request) -> None:
-    """200 tokens in one forward: the fused call takes the MLP 128 rows at a time (so that
-    a prompt's gate/up output is never held whole), the step-by-step forward all rows at
-    once; every row's logits are the same bits."""
-    llm = LLM(str(_llama_mixed_gguf(tmp_path, request)), quantization="gguf", num_kv_blocks=64)
+@pytest.mark.parametrize(
+    ("model", "quantization"), [("tiny_llama_dir", "int8"), (_llama_mixed_gguf, "gguf")]
+)
+@pytest.mark.parametrize("length", [200, 130])
+def test_a_long_prompt_gives_the_step_by_step_bits(
+    model: Any, quantization: str, length: int, tmp_path: Path, request
+) -> None:
+    """A prompt in one forward: the fused call takes the MLP 128 rows at a time (so that a
+    prompt's gate/up output is never held whole; 130 leaves a last part of 2 rows), the
+    step-by-step forward all rows at once; every row's logits are the same bits."""
+    path = request.getfixturevalue(model) if isinstance(model, str) else model(tmp_path, request)
+    llm = LLM(str(path), quantization=quantization, num_kv_blocks=64)
     model, runner = llm.engine.runner.model, llm.engine.runner
-    assert model.fused_gguf is not None
-    prompt = [(7 * i) % 90 + 1 for i in range(200)]
+    assert model.fused_layers == len(model.layers)
+    prompt = [(7 * i) % 90 + 1 for i in range(length)]
     fused = runner.logits_of(prompt)
     saved = [layer.fused for layer in model.layers], model.fused_gguf
     for layer in model.layers:
