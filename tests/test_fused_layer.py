@@ -5,6 +5,8 @@ chains applies."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,21 @@ from tiny_gguf import write_tiny_llama_gguf
 
 pytestmark = pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels here")
 PROMPTS = [list(range(1, 21)), [5, 6, 7], list(range(30, 70))]
+
+
+@contextmanager
+def step_by_step(model: Any) -> Iterator[None]:
+    """The model's layers run step by step (no fused call) inside the block."""
+    saved = [layer.fused for layer in model.layers], model.fused_gguf
+    for layer in model.layers:
+        layer.fused = None
+    model.fused_gguf = None
+    try:
+        yield
+    finally:
+        for layer, fusion in zip(model.layers, saved[0], strict=True):
+            layer.fused = fusion
+        model.fused_gguf = saved[1]
 
 
 def run(llm: LLM) -> tuple[list[list[int]], list[float], torch.Tensor]:
@@ -68,18 +85,12 @@ def test_fused_layers_give_the_step_by_step_bits(
     assert model.fused_layers == len(model.layers)
     assert (model.fused_gguf is not None) == (quantization == "gguf")  # all layers, one call
     fused = run(llm)
-    saved = [layer.fused for layer in model.layers], model.fused_gguf
-    for layer in model.layers:
-        layer.fused = None
-    model.fused_gguf = None
-    step_by_step = run(llm)
-    assert fused[0] == step_by_step[0]
-    assert fused[1] == step_by_step[1]
-    assert torch.equal(fused[2], step_by_step[2])
+    with step_by_step(model):
+        unfused = run(llm)
+    assert fused[0] == unfused[0]
+    assert fused[1] == unfused[1]
+    assert torch.equal(fused[2], unfused[2])
     assert llm.engine.kv.num_free_blocks == 64
-    for layer, fusion in zip(model.layers, saved[0], strict=True):
-        layer.fused = fusion
-    model.fused_gguf = saved[1]
 
 
 def test_layers_stay_step_by_step_where_the_fused_call_does_not_apply(tiny_llama_dir) -> None:
@@ -113,12 +124,5 @@ def test_a_long_prompt_gives_the_step_by_step_bits(
     assert model.fused_layers == len(model.layers)
     prompt = [(7 * i) % 90 + 1 for i in range(length)]
     fused = runner.logits_of(prompt)
-    saved = [layer.fused for layer in model.layers], model.fused_gguf
-    for layer in model.layers:
-        layer.fused = None
-    model.fused_gguf = None
-    step_by_step = runner.logits_of(prompt)
-    for layer, fusion in zip(model.layers, saved[0], strict=True):
-        layer.fused = fusion
-    model.fused_gguf = saved[1]
-    assert torch.equal(fused, step_by_step)
+    with step_by_step(model):
+        assert torch.equal(runner.logits_of(prompt), fused)
