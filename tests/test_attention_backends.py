@@ -19,7 +19,6 @@ from attention_cases import Case, make_case
 from hf_oracle import make_tiny_model
 from pagedllm.attention.backends import select_attention
 from pagedllm.attention.cpu import CpuPagedAttention
-from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.attention.reference import ReferenceAttention
 from pagedllm.errors import InvalidParameterError
 from pagedllm.kernels.cpu import load_cpu_ops, missing_cpu_features
@@ -247,35 +246,3 @@ assert len(out[0].outputs[0].token_ids) == 3
     warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1 and "using the reference" in warnings[0], out.stderr
     assert "attention backend: reference" in out.stderr
-
-
-@needs_cpu_kernel
-@pytest.mark.parametrize("gqa", [(4, 4), (9, 3), (8, 2)])
-@pytest.mark.parametrize("rows", [2, 5, 17])
-def test_a_row_gets_the_same_bits_in_a_chunk_as_decoded_alone(gqa, rows) -> None:
-    """A query row's output does not depend on how many rows share its work item: the rows
-    of a prompt chunk (or of a speculative step's check) equal the same rows decoded one
-    at a time, bit for bit. The quantized path rounds what attention returns into 8-bit
-    activations, where a last-bit difference can change a greedy token."""
-    heads, kv_heads = gqa
-    cached, block_size = 37, 16  # the context ends mid-block
-    case = make_case(
-        [(cached, rows)], heads=heads, kv_heads=kv_heads, head_dim=64, block_size=block_size
-    )
-    cpu = CpuPagedAttention(kv_heads, case.scale, load_cpu_ops().paged_attention)
-    k_cache, v_cache = case.fresh_caches()
-    chunk = cpu(case.query, case.key, case.value, k_cache, v_cache, cpu.prepare(case.meta))
-    table = case.meta.host_block_tables[0].tolist()
-    for r in range(rows):
-        meta = build_attention_metadata(
-            start_positions=[cached + r],
-            query_lens=[1],
-            block_tables=[table],
-            logits_seq_indices=[0],
-            block_size=block_size,
-            device="cpu",
-            dtype=torch.float32,
-        )
-        q, k, v = case.query[r : r + 1], case.key[r : r + 1], case.value[r : r + 1]
-        one = cpu(q, k, v, k_cache, v_cache, cpu.prepare(meta))
-        assert torch.equal(one, chunk[r : r + 1]), f"row {r}"

@@ -325,25 +325,3 @@ def test_smollm2_greedy_equals_greedy_without_speculation():
     snap = llm.engine.snapshot()
     assert 0 < snap.spec_accepted_tokens < snap.spec_proposed_tokens
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
-
-
-@pytest.mark.slow
-def test_smollm2_on_its_gguf_blocks_greedy_equals_greedy_without_speculation():
-    """The default model on its Q4_1 blocks (the default path), two chat questions with
-    `bench spec-streams`' proposals: the check step's rows get the bits they would get
-    decoded one at a time, so the 8-bit activations round the same way and no token
-    changes."""
-    from pagedllm.bench.spec_streams import NGRAM_DEFAULTS, workload_prompts
-    from pagedllm.loader import load_model
-
-    loaded = load_model(keep_quantized=True)
-    prompts = [{"prompt_token_ids": p} for p in workload_prompts(loaded.tokenizer, "chat", 2)]
-    params = SamplingParams(temperature=0, max_tokens=128)
-    plain = LLM(loaded=loaded).generate(prompts, params, use_tqdm=False)
-    llm = LLM(loaded=loaded, speculative_method="ngram", **NGRAM_DEFAULTS)
-    assert llm.engine.config.quantization == "gguf"
-    spec = llm.generate(prompts, params, use_tqdm=False)
-    assert tokens(spec) == tokens(plain)
-    snap = llm.engine.snapshot()
-    assert 0 < snap.spec_accepted_tokens < snap.spec_proposed_tokens
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

@@ -27,9 +27,9 @@ DEFAULT_PROMPT_LOOKUP = 5
 # Speculate only while fewer sequences than this run, unless the engine's options say
 # otherwise: measured with `pagedllm bench spec-streams --sweep` (docs/benchmarks.md) on
 # 2-core CPUs, on the default model's GGUF blocks (the default path), n-gram speculation
-# on chat (low acceptance) cost 2-10% of the throughput at 4 running sequences and
-# 10-13% at 8, and gained nothing above; at 1 and 2 sequences it pays (one stream: 1.46x
-# to 1.81x the tokens/s).
+# on chat (low acceptance) gave 0.98x the throughput at 4 running sequences and 0.90x at
+# 8 (medians of three sweeps), and less above; at 1 and 2 sequences it pays or breaks even
+# (one stream: 1.46x the tokens/s).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 

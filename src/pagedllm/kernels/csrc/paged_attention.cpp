@@ -45,6 +45,17 @@ using pagedllm::hmax;
 using pagedllm::hsum;
 using pagedllm::load8;
 
+inline float dot(const float* a, const float* b, int d) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= d; i += 16) {
+    s0 = _mm256_fmadd_ps(load8(a + i), load8(b + i), s0);
+    s1 = _mm256_fmadd_ps(load8(a + i + 8), load8(b + i + 8), s1);
+  }
+  if (i < d) s0 = _mm256_fmadd_ps(load8(a + i), load8(b + i), s0);
+  return hsum(_mm256_add_ps(s0, s1));
+}
+
 // ------------------------------------------------------------------ the problem
 struct Problem {
   const float* query;  // [T, H, D], rows and heads at any stride (views of a fused QKV)
@@ -86,6 +97,7 @@ struct Scratch {
   std::vector<float> m, l;  // [M] running max and sum
   std::vector<float> s;     // [M, kKeyChunk] scores, then probabilities
   std::vector<float> k, v;  // [kKeyChunk, D] rows converted from a half-precision cache
+  std::vector<float> kt;    // [D, kKeyChunk] transposed keys (large tiles)
   void reserve(int max_m, int d) {
     q.resize(max_m * d);
     acc.resize(max_m * d);
@@ -94,6 +106,7 @@ struct Scratch {
     s.resize(max_m * kKeyChunk);
     k.resize(kKeyChunk * d);
     v.resize(kKeyChunk * d);
+    kt.resize(d * kKeyChunk);
   }
 };
 
@@ -111,26 +124,50 @@ inline __m256 sum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
-// Scores s[m, j] = q_m . k_j for M query vectors and n keys, eight keys at a time per
-// query vector, summed in one reduction. Each score's arithmetic is the same whatever M
-// is, so a row's attention has the same bits in a prompt chunk, in a speculative step's
-// check or decoded alone (the quantized path rounds it into 8-bit activations, where a
-// last-bit difference can change a greedy token).
-inline void scores(const float* q, const float* const* krow, int M, int n, int d, float* s) {
-  for (int j0 = 0; j0 < n; j0 += 8) {
-    const float* k8[8];  // past the last key, any valid row (its scores are masked)
-    for (int jj = 0; jj < 8; ++jj) k8[jj] = krow[j0 + jj < n ? j0 + jj : 0];
-    for (int m = 0; m < M; ++m) {
-      __m256 acc[8];
-      for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_setzero_ps();
-      for (int c = 0; c < d; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + m * d + c);
-        for (int jj = 0; jj < 8; ++jj)
-          acc[jj] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k8[jj] + c), acc[jj]);
+// Scores s[m, j] = q_m . k_j for M query vectors and n keys.
+inline void scores(const float* q, const float* const* krow, int M, int n, int d, float* s,
+                   float* kt) {
+  if (M < 8) {  // decode: eight keys at a time per query vector, summed in one reduction
+    for (int j0 = 0; j0 < n; j0 += 8) {
+      const float* k8[8];  // past the last key, any valid row (its scores are masked)
+      for (int jj = 0; jj < 8; ++jj) k8[jj] = krow[j0 + jj < n ? j0 + jj : 0];
+      for (int m = 0; m < M; ++m) {
+        __m256 acc[8];
+        for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_setzero_ps();
+        for (int c = 0; c < d; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + m * d + c);
+          for (int jj = 0; jj < 8; ++jj)
+            acc[jj] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k8[jj] + c), acc[jj]);
+        }
+        _mm256_storeu_ps(s + m * kKeyChunk + j0, sum8(acc));
       }
-      _mm256_storeu_ps(s + m * kKeyChunk + j0, sum8(acc));
+    }
+    return;
+  }
+  // Larger tiles: transpose the keys once, then 4 queries x 16 keys per register block.
+  for (int j = 0; j < kKeyChunk; ++j)
+    for (int i = 0; i < d; ++i) kt[i * kKeyChunk + j] = j < n ? krow[j][i] : 0.0f;
+  int m = 0;
+  for (; m + 4 <= M; m += 4) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    const float* qm = q + m * d;
+    for (int i = 0; i < d; ++i) {
+      const __m256 k0 = _mm256_loadu_ps(kt + i * kKeyChunk);
+      const __m256 k1 = _mm256_loadu_ps(kt + i * kKeyChunk + 8);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(qm + r * d + i);
+        a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      _mm256_storeu_ps(s + (m + r) * kKeyChunk, a[r][0]);
+      _mm256_storeu_ps(s + (m + r) * kKeyChunk + 8, a[r][1]);
     }
   }
+  for (; m < M; ++m)
+    for (int j = 0; j < n; ++j) s[m * kKeyChunk + j] = dot(q + m * d, krow[j], d);
 }
 
 // acc[c:c+8W] += sum_j p[j] * v_j[c:c+8W], the W accumulators held in registers (W is a
@@ -266,7 +303,7 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
       }
       const int mg = (g - it.g0) * per_head;
       float* s = sc.s.data() + mg * kKeyChunk;
-      scores(sc.q.data() + mg * d, krow, per_head, n, d, s);
+      scores(sc.q.data() + mg * d, krow, per_head, n, d, s, sc.kt.data());
       // A decode row of at most four query heads (with d a multiple of 32) accumulates
       // its heads together; other tiles one query vector at a time.
       const bool together = it.rows == 1 && group <= 4 && d % 32 == 0;
