@@ -1,6 +1,7 @@
 """The real default model (SmolLM2-135M-Instruct, GGUF Q4_1) against transformers loading
 the same GGUF: identical greedy continuations, token for token, whether the prompts run
-alone in transformers or together in pagedllm, with preemption and with chunked prefill."""
+alone in transformers or together in pagedllm, with preemption and with chunked prefill;
+and `make run`'s answers on the default path (the file's blocks)."""
 
 from __future__ import annotations
 
@@ -161,3 +162,16 @@ def test_stop_string_is_cut_from_the_text(loaded, prompt_ids) -> None:
     assert (out.finish_reason, out.stop_reason) == ("stop", "Paris")
     assert out.text == full.text[: full.text.index("Paris")]
     assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_make_run_answers_paris_and_jupiter(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make run`'s command as the Makefile gives it, on the default path (the file's Q4_1
+    blocks): its two one-sentence answers name Paris and Jupiter. Quantized arithmetic
+    judged by its answers: a change of last bits upstream can turn a near tie."""
+    from pagedllm.entrypoints.cli import main
+
+    system = "You are a helpful assistant. Answer in one short sentence."
+    questions = ["What is the capital of France?", "Name the largest planet in the solar system."]
+    assert main(["generate", "--chat", "--system", system, *questions]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 2 and "Paris" in lines[0] and "Jupiter" in lines[1], lines
