@@ -229,7 +229,9 @@ struct Part {
 // input row while it stays in cache (the panel takes the input rows in groups).
 void multiply_tiles(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t k,
                     int64_t total, float* out) {
-  const int64_t unit = p.grouped ? kInterleavedGroupRows : 1;
+  // Whole groups of 16 rows even where the file's rows are interleaved per call (Q6_K):
+  // a tile of 19 rows would take two groups' work for them.
+  const int64_t unit = kInterleavedGroupRows;
   const int64_t tile = std::max<int64_t>(1, kWeightTileBytes / p.row_bytes / unit) * unit;
   const RowsPanel panel = p.grouped ? p.kernels->grouped : p.kernels->rows;
   for (int64_t j0 = lo; j0 < hi; j0 += tile) {
