@@ -231,8 +231,8 @@ void multiply_tiles(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t
                     int64_t total, float* out) {
   // Whole groups of 16 rows even where the file's rows are interleaved per call (Q6_K):
   // a tile of 19 rows would take two groups' work for them.
-  const int64_t unit = kInterleavedGroupRows;
-  const int64_t tile = std::max<int64_t>(1, kWeightTileBytes / p.row_bytes / unit) * unit;
+  constexpr int64_t G = kInterleavedGroupRows;
+  const int64_t tile = std::max<int64_t>(1, kWeightTileBytes / p.row_bytes / G) * G;
   const RowsPanel panel = p.grouped ? p.kernels->grouped : p.kernels->rows;
   for (int64_t j0 = lo; j0 < hi; j0 += tile) {
     const int64_t j1 = std::min(hi, j0 + tile);
