@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, query_tiles
+from pagedllm.attention.metadata import AttentionMetadata, query_tile_starts
 from pagedllm.kernels.policy import QUERY_TILE, decode_splits
 
 # A work item's fields, the columns of `CpuPlan.items` (the kernel reads them in order).
@@ -29,62 +30,52 @@ class CpuPlan:
     splits: int  # parts of the most split decode row (1: nothing was split)
 
 
-def _items(
-    seq: torch.Tensor,
-    heads: tuple[torch.Tensor, torch.Tensor],
-    row0: torch.Tensor,
-    rows: torch.Tensor,
-    keys: tuple[torch.Tensor, torch.Tensor],
-) -> torch.Tensor:
-    """Work items as rows of ITEM_FIELDS (none is a split: partial -1)."""
-    unsplit = torch.full_like(seq, -1)
-    return torch.stack([seq, *heads, row0, rows, *keys, unsplit], dim=1)
-
-
 def plan_work(meta: AttentionMetadata, num_kv_heads: int, threads: int) -> CpuPlan:
     """The work list of one step for `threads` threads."""
-    qsl, ctx = meta.host_query_start_loc, meta.host_context_lens
+    # numpy, not torch: a step's plan is a few dozen operations on arrays of a few
+    # elements, and each costs torch several times numpy's dispatch (one stream's plan
+    # inside a decode step: about 0.29 ms in torch, 0.13 in numpy).
+    qsl, ctx = meta.host_query_start_loc.numpy(), meta.host_context_lens.numpy()
     qlens = qsl[1:] - qsl[:-1]
-    decode = torch.nonzero(qlens == 1).flatten()
-    zeros = torch.zeros_like(decode)
-    decode_items = _items(
-        decode, (zeros, zeros + num_kv_heads), zeros, zeros + 1, (zeros, ctx[decode])
-    )
-    tiles = query_tiles(qsl, QUERY_TILE)
+    decode = np.flatnonzero(qlens == 1)
+    tiles = query_tile_starts(qsl, QUERY_TILE)
     tiles = tiles[qlens[tiles[:, 0]] > 1]
-    seq = tiles[:, 0].repeat_interleave(num_kv_heads)
-    row0 = tiles[:, 1].repeat_interleave(num_kv_heads)
-    head = torch.arange(num_kv_heads).repeat(tiles.shape[0])
-    rows = torch.clamp(qlens[seq] - row0, max=QUERY_TILE)
-    prompt_items = _items(seq, (head, head + 1), row0, rows, (torch.zeros_like(seq), ctx[seq]))
-    num_items = decode_items.shape[0] + prompt_items.shape[0]
-
-    parts_rows, merges, next_partial, most = [], [], 0, 1
+    seq = np.repeat(tiles[:, 0], num_kv_heads)
+    row0 = np.repeat(tiles[:, 1], num_kv_heads)
+    head = np.tile(np.arange(num_kv_heads), tiles.shape[0])
+    num_items = decode.size + seq.size
     # Rows are visited one by one only when the longest could be split: a handful then.
-    longest = int(ctx[decode].max()) if decode.numel() else 0
+    longest = int(ctx[decode].max()) if decode.size else 0
     candidates = decode.tolist() if decode_splits(num_items, threads, longest) > 1 else []
-    kept = list(range(len(candidates), decode.numel()))
-    for i, b in enumerate(candidates):
+    parts = [(b, decode_splits(num_items, threads, int(ctx[b]))) for b in candidates]
+    split = [(b, n) for b, n in parts if n > 1]
+    unsplit = np.array([b for b, n in parts if n < 2], np.int64) if candidates else decode
+    rows = unsplit.size + sum(n for _, n in split) + seq.size
+    # The unsplit decode rows, the split ones' parts, then the prompt tiles.
+    items = np.empty((rows, len(ITEM_FIELDS)), np.int64)
+    end = unsplit.size
+    items[:end] = (0, 0, num_kv_heads, 0, 1, 0, 0, -1)
+    items[:end, 0], items[:end, 6] = unsplit, ctx[unsplit]
+    merges = np.empty((len(split), 3), np.int64)
+    for i, (b, n) in enumerate(split):
         context = int(ctx[b])
-        parts = decode_splits(num_items, threads, context)
-        if parts < 2:
-            kept.append(i)
-            continue
-        step = -(-context // parts)
-        for p in range(parts):
-            end = min(context, (p + 1) * step)
-            parts_rows.append([b, 0, num_kv_heads, 0, 1, p * step, end, next_partial + p])
-        merges.append([b, next_partial, parts])
-        next_partial += parts
-        most = max(most, parts)
-    split_items = torch.tensor(parts_rows, dtype=torch.long).view(-1, len(ITEM_FIELDS))
-    unsplit = decode_items[torch.tensor(kept, dtype=torch.long)]
-    items = torch.cat([unsplit, split_items, prompt_items])
+        step = -(-context // n)
+        first = end - unsplit.size
+        keys = np.arange(n) * step
+        items[end : end + n] = (b, 0, num_kv_heads, 0, 1, 0, 0, 0)
+        items[end : end + n, 5], items[end : end + n, 6] = keys, np.minimum(context, keys + step)
+        items[end : end + n, 7] = first + np.arange(n)
+        merges[i] = (b, first, n)
+        end += n
+    prompt = items[end:]
+    prompt[:, 0], prompt[:, 1], prompt[:, 2], prompt[:, 3] = seq, head, head + 1, row0
+    prompt[:, 4] = np.minimum(qlens[seq] - row0, QUERY_TILE)
+    prompt[:, 5], prompt[:, 6], prompt[:, 7] = 0, ctx[seq], -1
     cost = items[:, 4] * (items[:, 2] - items[:, 1]) * (items[:, 6] - items[:, 5])
-    order = torch.argsort(cost, descending=True, stable=True)
+    order = np.argsort(-cost, kind="stable")  # costliest first; ties keep their order
     return CpuPlan(
         meta=meta,
-        items=items[order].contiguous(),
-        merges=torch.tensor(merges, dtype=torch.long).view(-1, 3),
-        splits=most,
+        items=torch.from_numpy(items[order]),
+        merges=torch.from_numpy(merges),
+        splits=max((n for _, n in split), default=1),
     )

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -82,18 +83,22 @@ def metadata_from_tables(
     """Metadata for sequences that compute `query_lens[i]` tokens from `start_positions[i]`;
     `tables`: the host tensor [sequences, entries] of their block tables (padded with 0),
     taken as the metadata's own."""
+    # numpy, then shared with torch: a few dozen operations on arrays of a few elements,
+    # each several times cheaper in numpy than in torch.
     num_seqs = len(query_lens)
-    starts = torch.as_tensor(start_positions, dtype=torch.long)
-    qlens = torch.as_tensor(query_lens, dtype=torch.long)
-    qsl = torch.zeros(num_seqs + 1, dtype=torch.long)
-    torch.cumsum(qlens, 0, out=qsl[1:])
+    starts = np.asarray(start_positions, dtype=np.int64)
+    qlens = np.asarray(query_lens, dtype=np.int64)
+    qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(qlens, out=qsl[1:])
     num_tokens = int(qsl[-1])
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlens)
-    positions = starts[seq_of_token] + torch.arange(num_tokens) - qsl[:-1][seq_of_token]
-    block_of_token = tables[seq_of_token, positions // block_size]
-    slot_mapping = block_of_token * block_size + positions % block_size
+    seq_of_token = np.repeat(np.arange(num_seqs), qlens)
+    positions = starts[seq_of_token] + np.arange(num_tokens) - qsl[:-1][seq_of_token]
+    slot_mapping = _slots(tables.numpy(), seq_of_token, positions, block_size)
     context_lens = starts + qlens
-    logits_indices = qsl[1:][torch.as_tensor(list(logits_seq_indices), dtype=torch.long)] - 1
+    logits_indices = qsl[1:][np.asarray(logits_seq_indices, dtype=np.int64)] - 1
+    slot_mapping, positions, logits_indices, qsl, context_lens = map(
+        torch.from_numpy, (slot_mapping, positions, logits_indices, qsl, context_lens)
+    )
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         positions=positions.to(device),
@@ -164,17 +169,16 @@ def build_grouped_metadata(
     metas = [first]
     if num_groups > 1:
         # Positions, offsets and lengths are the first group's; only the tables differ.
-        qsl = first.host_query_start_loc
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qsl[1:] - qsl[:-1])
-        positions = first.positions.cpu()
+        qsl = first.host_query_start_loc.numpy()
+        seq_of_token = np.repeat(np.arange(len(query_lens)), qsl[1:] - qsl[:-1])
+        positions = first.positions.cpu().numpy()
         for g in range(1, num_groups):
             tables = block_tables[g]
-            block_of_token = tables[seq_of_token, positions // block_size]
-            slots = block_of_token * block_size + positions % block_size
+            slots = _slots(tables.numpy(), seq_of_token, positions, block_size)
             metas.append(
                 replace(
                     first,
-                    slot_mapping=slots.to(device),
+                    slot_mapping=torch.from_numpy(slots).to(device),
                     block_tables=tables.to(device),
                     host_block_tables=tables,
                 )
@@ -182,12 +186,20 @@ def build_grouped_metadata(
     return GroupedAttentionMetadata(tuple(metas), tuple(layer_group))
 
 
-def query_tiles(query_start_loc: torch.Tensor, tile: int) -> torch.Tensor:
+def _slots(
+    tables: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """The physical KV slot of each token: its sequence's block at its position, and the
+    offset in that block."""
+    return tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+
+def query_tile_starts(query_start_loc: np.ndarray, tile: int) -> np.ndarray:
     """[num_tiles, 2]: (sequence, first query row) of each tile of at most `tile` query
-    tokens, sequence by sequence; `query_start_loc` on the host."""
+    tokens, sequence by sequence."""
     qlens = query_start_loc[1:] - query_start_loc[:-1]
     counts = (qlens + tile - 1) // tile
-    seq = torch.repeat_interleave(torch.arange(qlens.numel()), counts)
-    first_tile = torch.cumsum(counts, 0) - counts
-    row0 = (torch.arange(seq.numel()) - first_tile[seq]) * tile
-    return torch.stack([seq, row0], dim=1)
+    seq = np.repeat(np.arange(qlens.size), counts)
+    first_tile = np.cumsum(counts) - counts
+    row0 = (np.arange(seq.size) - first_tile[seq]) * tile
+    return np.stack([seq, row0], axis=1)

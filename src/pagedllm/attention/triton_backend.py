@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, query_tiles
+from pagedllm.attention.metadata import AttentionMetadata, query_tile_starts
 from pagedllm.attention.triton_kernels import (
     merge_splits_kernel,
     paged_attention_kernel,
@@ -65,7 +65,8 @@ class TritonPagedAttention:
 
     def prepare(self, meta: AttentionMetadata) -> TritonPlan:
         """The step's tiles, its split of decode contexts and the buffers of the parts."""
-        tiles = query_tiles(meta.host_query_start_loc, QUERY_TILE).to(meta.device)
+        tiles = torch.from_numpy(query_tile_starts(meta.host_query_start_loc.numpy(), QUERY_TILE))
+        tiles = tiles.to(meta.device)
         decode_only = meta.max_query_len == 1
         block_q = 1 if decode_only else QUERY_TILE
         block_m = max(16, block_q * _pow2(self.group))  # tl.dot needs at least 16 rows
