@@ -169,19 +169,42 @@ def test_the_kernel_writes_kv_given_as_views_of_a_fused_projection(cache_dtype) 
 @needs_cpu_kernel
 @pytest.mark.parametrize("shapes", [[(3000, 1)], [(700, 1), (2000, 1), (5, 1)]])
 def test_long_decodes_split_along_the_context_merge_exactly(shapes) -> None:
-    """Few, long decode rows: the plan splits their contexts across the threads, and the
-    kernel's merge of the parts equals the reference."""
+    """Few, long decode rows with fewer KV heads than the parts wanted: the plan splits
+    their contexts across the threads, and the kernel's merge of the parts equals the
+    reference."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        case = make_case(shapes, heads=9, kv_heads=3, head_dim=64, block_size=16)
-        plan = CpuPagedAttention(3, case.scale, load_cpu_ops().paged_attention).prepare(case.meta)
+        case = make_case(shapes, heads=3, kv_heads=1, head_dim=64, block_size=16)
+        plan = CpuPagedAttention(1, case.scale, load_cpu_ops().paged_attention).prepare(case.meta)
         assert plan.splits >= 2  # the split happened
         assert plan.merges.shape[0] >= 1
-        expected, got, *_ = run_both(case, 9, 3)
+        expected, got, *_ = run_both(case, 3, 1)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_cpu_kernel
+def test_a_lone_short_decode_is_cut_into_ranges_of_heads_with_the_same_bits() -> None:
+    """One decode row on two threads: four items, one per KV head (two per thread), no
+    merge; the output is the very bits of the same row computed whole on one thread."""
+    threads = torch.get_num_threads()
+    case = make_case([(40, 1)], heads=8, kv_heads=4, head_dim=64, block_size=16)
+    cpu = CpuPagedAttention(4, case.scale, load_cpu_ops().paged_attention)
+    outputs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            plan = cpu.prepare(case.meta)
+            ranges = sorted((g0, g1) for _, g0, g1, *_ in plan.items.tolist())
+            assert ranges == ([(0, 4)] if n == 1 else [(0, 1), (1, 2), (2, 3), (3, 4)])
+            assert plan.merges.shape[0] == 0 and plan.splits == 1
+            k, v = case.fresh_caches()
+            outputs.append(cpu(case.query, case.key, case.value, k, v, plan))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_the_cpu_plan_covers_every_query_row_and_key_once() -> None:

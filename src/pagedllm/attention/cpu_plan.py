@@ -3,9 +3,11 @@
 A work item is one sequence, a range of KV heads, a tile of query rows and a range of
 keys. A decode row takes all its KV heads at once, so that each block is read front to
 back; a prompt chunk gives one item per KV head and tile of QUERY_TILE rows (they are
-compute-bound and many). When a step has too few items to keep the threads busy, decode
-rows are split along their context (kernels/policy.py's rule) and the kernel merges the
-parts. Items run costliest first: causal prefill tiles differ a lot.
+compute-bound and many). When a step has too few items to keep the threads busy (one
+stream's decode step), each decode row is cut into ranges of its KV heads, or, where its
+context is long enough to give more parts, along its context, and the kernel merges those
+parts (kernels/policy.py's rules). Items run costliest first: causal prefill tiles differ
+a lot.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata, query_tile_starts
-from pagedllm.kernels.policy import QUERY_TILE, decode_splits
+from pagedllm.kernels.policy import QUERY_TILE, decode_head_splits, decode_splits
 
 # A work item's fields, the columns of `CpuPlan.items` (the kernel reads them in order).
 ITEM_FIELDS = ("seq", "head_begin", "head_end", "row0", "rows", "key_begin", "key_end", "partial")
@@ -44,23 +46,29 @@ def plan_work(meta: AttentionMetadata, num_kv_heads: int, threads: int) -> CpuPl
     row0 = np.repeat(tiles[:, 1], num_kv_heads)
     head = np.tile(np.arange(num_kv_heads), tiles.shape[0])
     num_items = decode.size + seq.size
-    # Rows are visited one by one only when the longest could be split: a handful then.
+    # A decode row is cut into ranges of its KV heads, or, where its context gives more
+    # parts than that, along its context. Rows are visited one by one only when the
+    # longest could be cut so: a handful then.
+    by_heads = decode_head_splits(num_items, threads, num_kv_heads)
     longest = int(ctx[decode].max()) if decode.size else 0
-    candidates = decode.tolist() if decode_splits(num_items, threads, longest) > 1 else []
+    candidates = decode.tolist() if decode_splits(num_items, threads, longest) > by_heads else []
     parts = [(b, decode_splits(num_items, threads, int(ctx[b]))) for b in candidates]
-    split = [(b, n) for b, n in parts if n > 1]
-    unsplit = np.array([b for b, n in parts if n < 2], np.int64) if candidates else decode
-    rows = unsplit.size + sum(n for _, n in split) + seq.size
-    # The unsplit decode rows, the split ones' parts, then the prompt tiles.
+    split = [(b, n) for b, n in parts if n > by_heads]
+    whole = np.array([b for b, n in parts if n <= by_heads], np.int64) if candidates else decode
+    rows = whole.size * by_heads + sum(n for _, n in split) + seq.size
+    # The decode rows by ranges of heads, the split ones' parts, then the prompt tiles.
     items = np.empty((rows, len(ITEM_FIELDS)), np.int64)
-    end = unsplit.size
-    items[:end] = (0, 0, num_kv_heads, 0, 1, 0, 0, -1)
-    items[:end, 0], items[:end, 6] = unsplit, ctx[unsplit]
+    end = whole.size * by_heads
+    heads = np.arange(by_heads + 1) * num_kv_heads // by_heads
+    items[:end] = (0, 0, 0, 0, 1, 0, 0, -1)
+    items[:end, 0] = np.repeat(whole, by_heads)
+    items[:end, 1], items[:end, 2] = np.tile(heads[:-1], whole.size), np.tile(heads[1:], whole.size)
+    items[:end, 6] = ctx[items[:end, 0]]
     merges = np.empty((len(split), 3), np.int64)
     for i, (b, n) in enumerate(split):
         context = int(ctx[b])
         step = -(-context // n)
-        first = end - unsplit.size
+        first = end - whole.size * by_heads
         keys = np.arange(n) * step
         items[end : end + n] = (b, 0, num_kv_heads, 0, 1, 0, 0, 0)
         items[end : end + n, 5], items[end : end + n, 6] = keys, np.minimum(context, keys + step)

@@ -60,11 +60,24 @@ GGUF_Q6_K_INTERLEAVED_MIN_ROWS = 6
 GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS = 4
 
 
+def _parts_wanted(work_items: int, workers: int) -> int:
+    """Parts per work item that give every worker ITEMS_PER_WORKER items (one worker
+    gains nothing from parts)."""
+    if work_items <= 0 or workers <= 1:
+        return 1
+    return -(-ITEMS_PER_WORKER * workers // work_items)
+
+
 def decode_splits(work_items: int, workers: int, context_len: int) -> int:
     """Into how many parts a decode row of `context_len` keys is cut when a step has
     `work_items` items for `workers` workers: enough to give every worker
     ITEMS_PER_WORKER items, each part at least MIN_KEYS_PER_SPLIT keys; 1 means no split."""
-    if work_items <= 0:
-        return 1
-    wanted = -(-ITEMS_PER_WORKER * workers // work_items)
-    return max(1, min(wanted, context_len // MIN_KEYS_PER_SPLIT))
+    return max(1, min(_parts_wanted(work_items, workers), context_len // MIN_KEYS_PER_SPLIT))
+
+
+def decode_head_splits(work_items: int, workers: int, num_kv_heads: int) -> int:
+    """Into how many ranges of its KV heads a decode row is cut when a step has
+    `work_items` items for `workers` workers (the CPU kernel): enough to give every worker
+    ITEMS_PER_WORKER items, at most one range per KV head; 1 means whole. Unlike parts of
+    the context, ranges of heads need no merging, and a short context splits as well."""
+    return max(1, min(_parts_wanted(work_items, workers), num_kv_heads))
