@@ -164,7 +164,12 @@ def _interleaved(weight: GGUFWeight) -> GGUFWeight:
     return done
 
 
-def embed_rows(ids: torch.Tensor, table: GGUFWeight) -> torch.Tensor:
-    """The embedding rows of token `ids` [T] -> [T, hidden], dequantizing only those rows."""
+def embed_rows(ids: torch.Tensor, table: GGUFWeight, kernels: Any = None) -> torch.Tensor:
+    """The embedding rows of token `ids` [T] -> [T, hidden], dequantizing only those rows:
+    by the compiled op where `kernels` are given and take the table (no buffer beyond the
+    rows; the gguf package's numpy held some 55 MB for a 512-token prompt's rows), else
+    each distinct row once by the gguf package."""
+    if kernels is not None and table.ggml_type in KERNEL_TYPES and not table.interleaved:
+        return kernels.gguf_dequantize_rows(table.blocks, ids, int(table.ggml_type))
     unique, inverse = torch.unique(ids, return_inverse=True)
     return table.dequantize(unique)[inverse]

@@ -227,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = make_linear(
             linear, config.hidden_size, config.vocab_size, False, ops, kernels
         )
+        self.gguf_kernels = kernels if linear == "gguf" else None  # also for the lookup
         # All layers on GGUF blocks in one compiled call (fused_layer.py), set at load.
         self.fused_gguf: FusedGGUFLayers | None = None
         if config.tie_word_embeddings and isinstance(self.lm_head, DenseLinear):
@@ -252,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
         compiled all-layers call, which has no place for them."""
         table = self.embed_tokens
         if isinstance(table, GGUFWeight):
-            hidden = embed_rows(input_ids, table)
+            hidden = embed_rows(input_ids, table, self.gguf_kernels)
         else:
             embed = F.embedding if self.parallel is None else self.parallel.embed
             hidden = embed(input_ids, table)
