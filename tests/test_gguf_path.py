@@ -26,6 +26,7 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.kernels.cpu import load_cpu_ops, missing_cpu_features
 from pagedllm.kernels.gguf_blocks import INTERLEAVED_GROUP_ROWS, INTERLEAVED_TYPES
 from pagedllm.loader import LoadedModel, load_model
+from pagedllm.loader.gguf_loader import release_pages
 from pagedllm.model.gguf_linear import GGUFLinear, GGUFWeight, embed_rows, quantized_activations
 from pagedllm.worker.factory import build_runner
 from pagedllm.worker.options import RunnerOptions
@@ -149,6 +150,33 @@ def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
                 start, end = (int(a, 16) for a in line.split()[0].split("-"))
                 ranges.append((start, end))
     return ranges
+
+
+def _resident_kb(path: Path) -> int:
+    """KiB of the file at `path` resident in this process's mappings of it."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="utf-8") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_a_copied_tensors_pages_in_the_map_are_handed_back(tmp_path: Path) -> None:
+    """What the loader does after permuting Q/K rows into a copy: the source's whole pages
+    stop counting in resident memory, and read the same bytes if touched again."""
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(64 * 4096))
+    blob = np.memmap(path, dtype=np.uint8, mode="c").view(np.ndarray)
+    before = int(blob.sum())  # every page read
+    assert _resident_kb(path.resolve()) == 64 * 4
+    release_pages(blob[8 * 4096 + 100 : 40 * 4096 + 100])  # 31 whole pages inside
+    assert _resident_kb(path.resolve()) == (64 - 31) * 4
+    assert int(blob.sum()) == before
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")

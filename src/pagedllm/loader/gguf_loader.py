@@ -8,12 +8,15 @@ are undone by gguf_tensors, so the weights equal the original checkpoint's.
 With `keep_quantized` (`quantization="gguf"`), the linear layers' weights and the embedding
 table are not dequantized: each stays a `GGUFWeight`, a uint8 view of its blocks in the
 memory map. Of the converter's changes, only the Q/K row permutation touches them: whole
-rows of blocks are permuted back, one tensor at a time (a copy of that tensor); fused
-tensors split into row ranges of the map.
+rows of blocks are permuted back, one tensor at a time (a copy of that tensor, whose pages
+in the map are then handed back: they would otherwise count in resident memory beside the
+copy, 0.11 GB on a 1.7B-shaped file); fused tensors split into row ranges of the map.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
 import gguf
@@ -70,6 +73,21 @@ def _blocks(tensor: GGUFTensor, path: str) -> np.ndarray:
     return tensor.data
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def release_pages(array: np.ndarray) -> None:
+    """Drop the pages wholly inside `array`, a part of the file's private memory map that
+    is never written, from the process: they stop counting in its resident memory, and
+    would be read from the file again if touched (nothing touches them: a copy replaced
+    them)."""
+    page = mmap.PAGESIZE
+    start = array.ctypes.data
+    begin, end = -(-start // page) * page, (start + array.nbytes) // page * page
+    if end > begin:
+        _LIBC.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), mmap.MADV_DONTNEED)
+
+
 def load_gguf(path: str, keep_quantized: bool = False) -> LoadedModel:
     """Load a GGUF file (see the module docstring)."""
     path = os.path.abspath(path)
@@ -89,9 +107,12 @@ def load_gguf(path: str, keep_quantized: bool = False) -> LoadedModel:
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}")
         if keep_quantized and kept_as_blocks(name):
-            width = int(tensor.shape[0])
-            for hf, rows in hf_tensors(name, _blocks(tensor, path), config):
+            width, blocks = int(tensor.shape[0]), _blocks(tensor, path)
+            parts = list(hf_tensors(name, blocks, config))
+            for hf, rows in parts:
                 weights[hf] = GGUFWeight(torch.from_numpy(rows), tensor.tensor_type, width)
+            if not any(np.may_share_memory(rows, blocks) for _, rows in parts):
+                release_pages(blocks)  # the Q/K permutation copied it
             continue
         for hf, array in hf_tensors(name, _dequantize(tensor, path), config):
             weights[hf] = torch.from_numpy(array)
