@@ -53,8 +53,10 @@ def main() -> None:
     cpu_plan.decode_head_splits = rule
     last = args.context + args.steps
     for name, seconds in times.items():
-        print(f"{name}: median {1e3 * statistics.median(seconds):.2f} ms a step, context "
-              f"{args.context}-{last}")
+        print(
+            f"{name}: median {1e3 * statistics.median(seconds):.2f} ms a step, context "
+            f"{args.context}-{last}"
+        )
 
 
 if __name__ == "__main__":
