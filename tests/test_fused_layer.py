@@ -126,3 +126,36 @@ def test_a_long_prompt_gives_the_step_by_step_bits(
     fused = runner.logits_of(prompt)
     with step_by_step(model):
         assert torch.equal(runner.logits_of(prompt), fused)
+
+
+def test_the_fused_call_keeps_its_activations_and_returns_its_own_output(
+    tmp_path: Path, request
+) -> None:
+    """The GGUF call holds a step's activations in one workspace kept from step to step: a
+    smaller step reuses it as it is, a larger one grows it. What a step returns lies outside
+    it, so a later step leaves it as it was."""
+    llm = LLM(str(_llama_mixed_gguf(tmp_path, request)), quantization="gguf", num_kv_blocks=64)
+    model, runner = llm.engine.runner.model, llm.engine.runner
+    fused = model.fused_gguf
+    returned: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def recording(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = fused(*args)
+        returned.append((hidden, hidden.clone()))
+        return hidden, residual
+
+    model.fused_gguf = recording
+    runner.logits_of([(7 * i) % 90 + 1 for i in range(200)])
+    grown = fused.workspace.numel(), fused.workspace.data_ptr()
+    assert grown[0] > 0
+    runner.logits_of([3, 4, 5])
+    assert (fused.workspace.numel(), fused.workspace.data_ptr()) == grown
+    first, copy = returned[0]
+    assert torch.equal(first, copy)
+    workspace = fused.workspace.untyped_storage()
+    for hidden, _ in returned:
+        assert hidden.untyped_storage().data_ptr() != workspace.data_ptr()
+    model.fused_gguf = fused
+    with step_by_step(model):
+        reference = runner.logits_of([3, 4, 5])
+    assert torch.equal(runner.logits_of([3, 4, 5]), reference)

@@ -141,6 +141,9 @@ class FusedGGUFLayers:
         self.ggml_types = [int(part.ggml_type) for m in linears for part in m.parts]
         self.parts = [len(m.parts) for m in linears]
         self.biases = [_NONE if x.qkv.bias is None else x.qkv.bias for x in self.layers]
+        # The step's activations, kept from step to step (the op grows it to the largest
+        # step's rows): buffers allocated anew each layer left the heap fragmented.
+        self.workspace = torch.empty(0)
 
     @staticmethod
     def applies(layers: Sequence[nn.Module]) -> bool:
@@ -181,6 +184,7 @@ class FusedGGUFLayers:
             [kv[0] for kv in kv_caches],
             [kv[1] for kv in kv_caches],
             *_step_inputs(plan),
+            self.workspace,
             *self.shape,
         )
 

@@ -9,7 +9,8 @@
 //                                       place (rotate-half layout, as Llama's)
 //   silu_and_mul(gate_up)               silu(gate) * up, the halves of the fused projection
 //
-// float32 only; rows are spread over torch's thread pool.
+// float32 only; rows are spread over torch's thread pool. From C++ (layer_kernels.h) each
+// op that returns a tensor can write into a given one instead.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -59,14 +60,24 @@ void check_rows(const at::Tensor& x, const char* name) {
               name, " must be a float32 [rows, n] tensor with contiguous rows");
 }
 
+// `out` if the caller gave one (checked), else a new contiguous [rows, n] tensor.
+at::Tensor output(const at::Tensor& out, int64_t rows, int64_t n, const at::Tensor& like) {
+  if (!out.defined()) return at::empty({rows, n}, like.options());
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                  out.size(0) == rows && out.size(1) == n,
+              "out must be a contiguous float32 [", rows, ", ", n, "] tensor");
+  return out;
+}
+
 }  // namespace
 
 namespace pagedllm {
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const at::Tensor& into) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = at::empty({rows, n}, x.options());
+  const at::Tensor out = output(into, rows, n, x);
   const float* w = weight.data_ptr<float>();
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -77,11 +88,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
-                        double eps) {
+                        double eps, const at::Tensor& into) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = at::empty({rows, n}, x.options());
+  const at::Tensor out = output(into, rows, n, x);
   const float* w = weight.data_ptr<float>();
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -122,10 +133,10 @@ void rotary(const at::Tensor& positions, at::Tensor qkv, const at::Tensor& cos,
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+at::Tensor silu_and_mul(const at::Tensor& gate_up, const at::Tensor& into) {
   check_rows(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = at::empty({rows, n}, gate_up.options());
+  const at::Tensor out = output(into, rows, n, gate_up);
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gate_up.data_ptr<float>() + r * gate_up.stride(0);
@@ -157,8 +168,13 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
-  m.impl("rms_norm", &pagedllm::rms_norm);
-  m.impl("add_rms_norm", &pagedllm::add_rms_norm);
+  m.impl("rms_norm", [](const at::Tensor& x, const at::Tensor& weight, double eps) {
+    return pagedllm::rms_norm(x, weight, eps);
+  });
+  m.impl("add_rms_norm",
+         [](const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+           return pagedllm::add_rms_norm(x, residual, weight, eps);
+         });
   m.impl("rotary", &pagedllm::rotary);
-  m.impl("silu_and_mul", &pagedllm::silu_and_mul);
+  m.impl("silu_and_mul", [](const at::Tensor& gate_up) { return pagedllm::silu_and_mul(gate_up); });
 }

@@ -35,6 +35,7 @@
 #include "cpu_features.h"
 #include "ggml_blocks.h"
 #include "gguf_interleaved_layout.h"
+#include "layer_kernels.h"
 #include "vec.h"
 
 namespace pagedllm::gguf_avx2 {
@@ -356,7 +357,7 @@ Part weight_part(const at::Tensor& weight, const GgufType& type, const std::stri
 // gate/up whose parts the file stores apart, possibly in different types).
 at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
                              at::IntArrayRef ggml_types, const std::string& kernel,
-                             const std::string& method) {
+                             const std::string& method, const at::Tensor& into) {
   TORCH_CHECK_VALUE(!weights.empty() && weights.size() == ggml_types.size(), "got ",
                     weights.size(), " weights and ", ggml_types.size(), " types");
   const at::Tensor xc = x.contiguous();
@@ -374,7 +375,10 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
   }
   const int64_t rows = xc.size(0);
   const Method m = checked_method(method);
-  at::Tensor out = at::empty({rows, total}, xc.options());
+  at::Tensor out = into.defined() ? into : at::empty({rows, total}, xc.options());
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                  out.size(0) == rows && out.size(1) == total,
+              "out must be a contiguous float32 [", rows, ", ", total, "] tensor");
   if (rows > 0 && total > 0)
     multiply_parts(xc.data_ptr<float>(), rows, xc.size(1), parts, out.data_ptr<float>(), m);
   return out;
@@ -429,6 +433,10 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("gguf_linear", &pagedllm::gguf_linear);
-  m.impl("gguf_linear_parts", &pagedllm::gguf_linear_parts);
+  m.impl("gguf_linear_parts", [](const at::Tensor& x, at::TensorList weights,
+                                 at::IntArrayRef ggml_types, const std::string& kernel,
+                                 const std::string& method) {
+    return pagedllm::gguf_linear_parts(x, weights, ggml_types, kernel, method);
+  });
   m.impl("gguf_quantize_activations", &pagedllm::gguf_quantize_activations);
 }

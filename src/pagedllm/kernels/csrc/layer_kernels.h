@@ -11,13 +11,17 @@
 
 namespace pagedllm {
 
+// Those returning a tensor write it into `into` when it is defined (a contiguous float32
+// tensor of the output's shape), and return it; otherwise into a new tensor.
+
 // fused_ops.cpp
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const at::Tensor& into = {});
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
-                        double eps);
+                        double eps, const at::Tensor& into = {});
 void rotary(const at::Tensor& positions, at::Tensor qkv, const at::Tensor& cos,
             const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor silu_and_mul(const at::Tensor& gate_up, const at::Tensor& into = {});
 
 // int8_linear.cpp
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const at::Tensor& weight_t,
@@ -28,7 +32,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& inv_smooth, const 
 // gguf_linear.cpp
 at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
                              at::IntArrayRef ggml_types, const std::string& kernel,
-                             const std::string& method);
+                             const std::string& method, const at::Tensor& into = {});
 
 // paged_attention.cpp
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
