@@ -60,15 +60,6 @@ void check_rows(const at::Tensor& x, const char* name) {
               name, " must be a float32 [rows, n] tensor with contiguous rows");
 }
 
-// `out` if the caller gave one (checked), else a new contiguous [rows, n] tensor.
-at::Tensor output(const at::Tensor& out, int64_t rows, int64_t n, const at::Tensor& like) {
-  if (!out.defined()) return at::empty({rows, n}, like.options());
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
-                  out.size(0) == rows && out.size(1) == n,
-              "out must be a contiguous float32 [", rows, ", ", n, "] tensor");
-  return out;
-}
-
 }  // namespace
 
 namespace pagedllm {
@@ -77,7 +68,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const at::Tensor& into) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
-  const at::Tensor out = output(into, rows, n, x);
+  const at::Tensor out = pagedllm::output_rows(into, rows, n, x);
   const float* w = weight.data_ptr<float>();
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -92,7 +83,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   check_rows(x, "x");
   check_rows(residual, "residual");
   const int64_t rows = x.size(0), n = x.size(1);
-  const at::Tensor out = output(into, rows, n, x);
+  const at::Tensor out = pagedllm::output_rows(into, rows, n, x);
   const float* w = weight.data_ptr<float>();
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -136,7 +127,7 @@ void rotary(const at::Tensor& positions, at::Tensor qkv, const at::Tensor& cos,
 at::Tensor silu_and_mul(const at::Tensor& gate_up, const at::Tensor& into) {
   check_rows(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  const at::Tensor out = output(into, rows, n, gate_up);
+  const at::Tensor out = pagedllm::output_rows(into, rows, n, gate_up);
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gate_up.data_ptr<float>() + r * gate_up.stride(0);

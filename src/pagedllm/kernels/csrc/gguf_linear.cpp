@@ -375,10 +375,7 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList weights,
   }
   const int64_t rows = xc.size(0);
   const Method m = checked_method(method);
-  at::Tensor out = into.defined() ? into : at::empty({rows, total}, xc.options());
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
-                  out.size(0) == rows && out.size(1) == total,
-              "out must be a contiguous float32 [", rows, ", ", total, "] tensor");
+  const at::Tensor out = output_rows(into, rows, total, xc);
   if (rows > 0 && total > 0)
     multiply_parts(xc.data_ptr<float>(), rows, xc.size(1), parts, out.data_ptr<float>(), m);
   return out;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
@@ -13,6 +14,16 @@ namespace pagedllm {
 
 // Those returning a tensor write it into `into` when it is defined (a contiguous float32
 // tensor of the output's shape), and return it; otherwise into a new tensor.
+
+// The output a kernel writes: `into` when defined (checked), else a new [rows, n] tensor.
+inline at::Tensor output_rows(const at::Tensor& into, int64_t rows, int64_t n,
+                              const at::Tensor& like) {
+  if (!into.defined()) return at::empty({rows, n}, like.options());
+  TORCH_CHECK(into.is_contiguous() && into.scalar_type() == at::kFloat && into.dim() == 2 &&
+                  into.size(0) == rows && into.size(1) == n,
+              "out must be a contiguous float32 [", rows, ", ", n, "] tensor");
+  return into;
+}
 
 // fused_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
