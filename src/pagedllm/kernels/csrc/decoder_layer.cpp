@@ -63,7 +63,8 @@ using Linear =
 // A layer's activations for a step's rows: views of one workspace that the caller keeps
 // from step to step, or undefined tensors (each kernel then allocates its own). A 7B's
 // 512-token prompt allocated and freed two dozen buffers of 2-20 MB a layer, and the heap
-// they came from kept growing between prompts around the holes they left (0.1 GB).
+// they came from kept growing between prompts around the holes they left (the
+// process's peak 49-81 MB higher on a 7B shape: docs/benchmarks.md).
 struct Activations {
   at::Tensor x;        // [rows, hidden]: the input norm's output, then the post-attention one
   at::Tensor qkv;      // [rows, q + 2 kv]
