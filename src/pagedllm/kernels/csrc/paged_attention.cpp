@@ -7,10 +7,12 @@
 // once per step in Python (attention/cpu.py, from the rules of kernels/policy.py): a work
 // item is one sequence, a range of KV heads, a tile of query rows and a range of keys; the
 // query heads that share a KV head are processed together, so each K/V row is read once
-// for all of them. Keys are visited in chunks of up to 16, gathered through the block
-// table into a small fp32 tile (converting half-precision caches on load), with an online
-// softmax and fp32 accumulators. Decode rows the list split along their context are
-// merged by log-sum-exp. Threads come from torch's own pool (at::parallel_for).
+// for all of them. Keys are visited in chunks of up to 16, with an online softmax and fp32
+// accumulators. A prompt tile gathers one KV head's rows through the block table into a
+// small fp32 tile (converting half-precision caches on load); a single query row (a
+// decode) reads its chunk token by token, all its heads side by side, in the pool's own
+// order. Decode rows the list split along their context are merged by log-sum-exp.
+// Threads come from torch's own pool (at::parallel_for).
 //
 // A layer with an attention window W (window > 0) lets the query at position p see the
 // keys at positions (p - W, p] only: an item starts at its first row's window, so whole
@@ -98,7 +100,9 @@ struct Scratch {
   std::vector<float> s;     // [M, kKeyChunk] scores, then probabilities
   std::vector<float> k, v;  // [kKeyChunk, D] rows converted from a half-precision cache
   std::vector<float> kt;    // [D, kKeyChunk] transposed keys (large tiles)
+  std::vector<int64_t> head_offset;  // [M] a decode row's vectors' heads, as offsets
   void reserve(int max_m, int d) {
+    head_offset.resize(max_m);
     q.resize(max_m * d);
     acc.resize(max_m * d);
     m.resize(max_m);
@@ -127,7 +131,7 @@ inline __m256 sum8(const __m256* a) {
 // Scores s[m, j] = q_m . k_j for M query vectors and n keys.
 inline void scores(const float* q, const float* const* krow, int M, int n, int d, float* s,
                    float* kt) {
-  if (M < 8) {  // decode: eight keys at a time per query vector, summed in one reduction
+  if (M < 8) {  // a short tile: eight keys at a time per query vector, one reduction
     for (int j0 = 0; j0 < n; j0 += 8) {
       const float* k8[8];  // past the last key, any valid row (its scores are masked)
       for (int jj = 0; jj < 8; ++jj) k8[jj] = krow[j0 + jj < n ? j0 + jj : 0];
@@ -191,33 +195,11 @@ inline void accumulate(float* acc, const float* p, const float* const* vrow, int
   for (; c < d; c += 8) accumulate_span<1>(acc, p, vrow, n, c);
 }
 
-// acc[m] += sum_j p[m, j] * v_j for the M (at most 4) query vectors of one decode row
-// together, 32 dims at a time: each V row is loaded once for all of them.
-template <int M>
-void accumulate_rows(float* acc, const float* p, const float* const* vrow, int n, int d) {
-  for (int c = 0; c < d; c += 32) {
-    __m256 a[M][4];
-    for (int m = 0; m < M; ++m)
-      for (int i = 0; i < 4; ++i) a[m][i] = _mm256_loadu_ps(acc + m * d + c + 8 * i);
-    for (int j = 0; j < n; ++j) {
-      __m256 v[4];
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(vrow[j] + c + 8 * i);
-      for (int m = 0; m < M; ++m) {
-        const __m256 pj = _mm256_set1_ps(p[m * kKeyChunk + j]);
-        for (int i = 0; i < 4; ++i) a[m][i] = _mm256_fmadd_ps(pj, v[i], a[m][i]);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + m * d + c + 8 * i, a[m][i]);
-  }
-}
-
 // The online-softmax update of query vector m with this chunk's scores `sm` (visible
-// keys first, the rest masked): sm becomes p, acc and the sum are rescaled; then, unless
-// the caller accumulates for several vectors at once, acc += p . V.
-// Keys before `hidden` (behind the row's window) are masked too; their p is 0.
+// keys first, the rest masked): sm becomes p, acc and the sum are rescaled, then
+// acc += p . V. Keys before `hidden` (behind the row's window) are masked too; their p is 0.
 inline void softmax_step(Scratch& sc, int m, float* sm, int visible, const float* const* vrow,
-                         int d, bool accumulate_here = true, int hidden = 0) {
+                         int d, int hidden) {
   for (int j = 0; j < hidden; ++j) sm[j] = kNegInf;
   for (int j = visible; j < kKeyChunk; ++j) sm[j] = kNegInf;
   const float chunk_max = std::max(hmax(_mm256_loadu_ps(sm)), hmax(_mm256_loadu_ps(sm + 8)));
@@ -236,7 +218,7 @@ inline void softmax_step(Scratch& sc, int m, float* sm, int visible, const float
     sc.m[m] = m_new;
   }
   sc.l[m] += hsum(_mm256_add_ps(p0, p1));
-  if (accumulate_here) accumulate(am, sm, vrow, visible, d);
+  accumulate(am, sm, vrow, visible, d);
 }
 
 inline void prefetch_rows(const char* first, int64_t bytes) {
@@ -304,9 +286,6 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
       const int mg = (g - it.g0) * per_head;
       float* s = sc.s.data() + mg * kKeyChunk;
       scores(sc.q.data() + mg * d, krow, per_head, n, d, s, sc.kt.data());
-      // A decode row of at most four query heads (with d a multiple of 32) accumulates
-      // its heads together; other tiles one query vector at a time.
-      const bool together = it.rows == 1 && group <= 4 && d % 32 == 0;
       for (int r = 0; r < it.rows; ++r) {
         const int64_t pos = first_pos + it.row0 + r;
         const int64_t visible = std::min<int64_t>(n, pos + 1 - k0);
@@ -317,18 +296,7 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
         for (int i = 0; i < group; ++i) {
           const int m = mg + r * group + i;
           float* sm = sc.s.data() + m * kKeyChunk;
-          softmax_step(sc, m, sm, static_cast<int>(visible), vrow, d, !together,
-                       static_cast<int>(hidden));
-        }
-        if (together) {
-          const int vis = static_cast<int>(visible);
-          float* acc = sc.acc.data() + mg * d;
-          switch (group) {
-            case 1: accumulate_rows<1>(acc, s, vrow, vis, d); break;
-            case 2: accumulate_rows<2>(acc, s, vrow, vis, d); break;
-            case 3: accumulate_rows<3>(acc, s, vrow, vis, d); break;
-            default: accumulate_rows<4>(acc, s, vrow, vis, d); break;
-          }
+          softmax_step(sc, m, sm, static_cast<int>(visible), vrow, d, static_cast<int>(hidden));
         }
       }
     }
@@ -350,6 +318,143 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
         const float inv = sc.l[m] > 0.0f ? 1.0f / sc.l[m] : 0.0f;
         for (int x = 0; x < d; ++x) dst[x] = am[x] * inv;
       }
+}
+
+// ------------------------------------------------------------ one query row (decode)
+// A row's keys and values are read in the pool's order, token by token with the item's
+// heads side by side, so the hardware streams each block instead of gathering one head's
+// rows at a stride of a whole token. Its query vectors sit eight to a register for the
+// online softmax; each vector's arithmetic is the same whichever lane it takes, so cutting
+// a row into ranges of heads leaves its bits unchanged.
+
+// span = W * 8 dims starting at c: acc[m] += p_m * v over the `group` query vectors that
+// share this KV head.
+template <int W, typename T>
+inline void accumulate_group(float* acc, const float* p, const T* v, int group, int d, int c) {
+  __m256 vv[W];
+  for (int i = 0; i < W; ++i) vv[i] = load8(v + c + 8 * i);
+  for (int g = 0; g < group; ++g) {
+    const __m256 pg = _mm256_set1_ps(p[g]);
+    float* a = acc + g * d + c;
+    for (int i = 0; i < W; ++i)
+      _mm256_storeu_ps(a + 8 * i, _mm256_fmadd_ps(pg, vv[i], _mm256_loadu_ps(a + 8 * i)));
+  }
+}
+
+template <typename T>
+void run_decode_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial_acc,
+                     float* partial_ml) {
+  const int d = pb.head_dim;
+  const int group = pb.num_heads / pb.num_kv_heads;
+  const int M = (it.g1 - it.g0) * group;  // query vectors, (head, vector of its group)
+  const int padded = (M + 7) / 8 * 8;
+  const int64_t q0 = pb.query_start[it.b];
+  const int64_t row = q0 + it.row0;
+  const int64_t pos = pb.context_lens[it.b] - (pb.query_start[it.b + 1] - q0) + it.row0;
+  const T* kc = static_cast<const T*>(pb.k_cache);
+  const T* vc = static_cast<const T*>(pb.v_cache);
+  const int64_t* table = pb.block_tables + it.b * pb.max_blocks;
+  const int64_t token_stride = static_cast<int64_t>(pb.num_kv_heads) * d;
+  const int64_t block_stride = token_stride * pb.block_size;
+
+  float* q = sc.q.data();
+  for (int m = 0; m < M; ++m) {
+    const float* src = pb.query + row * pb.q_stride_t + (it.g0 * group + m) * pb.q_stride_h;
+    for (int x = 0; x < d; ++x) q[m * d + x] = src[x] * pb.scale;
+  }
+  std::fill(q + M * d, q + padded * d, 0.0f);  // padding lanes score 0 and are dropped
+  int64_t* head_offset = sc.head_offset.data();  // vector m's KV head, in the token's row
+  for (int m = 0; m < padded; ++m)
+    head_offset[m] = static_cast<int64_t>(std::min(m, M - 1) / group) * d;
+  float* acc = sc.acc.data();
+  float* mx = sc.m.data();
+  float* sum = sc.l.data();
+  float* p = sc.s.data();  // [kKeyChunk, padded] scores, then probabilities
+  std::fill(acc, acc + M * d, 0.0f);
+  std::fill(mx, mx + padded, kNegInf);
+  std::fill(sum, sum + padded, 0.0f);
+
+  // Causal, and with a window only the keys (pos - W, pos]: the row's own window start.
+  const int64_t key_end = std::min(it.key_end, pos + 1);
+  int64_t k0 = it.key_begin;
+  if (pb.window > 0) k0 = std::max(k0, pos - pb.window + 1);
+  const int64_t heads_offset = static_cast<int64_t>(it.g0) * d;
+  while (k0 < key_end) {
+    const int64_t in_block = k0 % pb.block_size;
+    const int n = static_cast<int>(
+        std::min<int64_t>({kKeyChunk, key_end - k0, pb.block_size - in_block}));
+    const int64_t base =
+        table[k0 / pb.block_size] * block_stride + in_block * token_stride + heads_offset;
+    // Scores, key by key: eight query vectors' dot products summed in one reduction.
+    for (int j = 0; j < n; ++j) {
+      const T* kj = kc + base + j * token_stride;
+      for (int m0 = 0; m0 < padded; m0 += 8) {
+        const T* k[8];
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) {
+          k[i] = kj + head_offset[m0 + i];
+          a[i] = _mm256_setzero_ps();
+        }
+        const float* qm = q + m0 * d;
+        for (int c = 0; c < d; c += 8)
+          for (int i = 0; i < 8; ++i)
+            a[i] = _mm256_fmadd_ps(load8(qm + i * d + c), load8(k[i] + c), a[i]);
+        _mm256_storeu_ps(p + j * padded + m0, sum8(a));
+      }
+    }
+    // The online softmax for eight vectors at once.
+    for (int m0 = 0; m0 < padded; m0 += 8) {
+      __m256 chunk_max = _mm256_loadu_ps(p + m0);
+      for (int j = 1; j < n; ++j)
+        chunk_max = _mm256_max_ps(chunk_max, _mm256_loadu_ps(p + j * padded + m0));
+      const __m256 old_max = _mm256_loadu_ps(mx + m0);
+      const __m256 new_max = _mm256_max_ps(old_max, chunk_max);
+      const __m256 alpha = exp8(_mm256_sub_ps(old_max, new_max));  // 0 from -inf
+      __m256 chunk_sum = _mm256_setzero_ps();
+      for (int j = 0; j < n; ++j) {
+        const __m256 pj = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j * padded + m0), new_max));
+        _mm256_storeu_ps(p + j * padded + m0, pj);
+        chunk_sum = _mm256_add_ps(chunk_sum, pj);
+      }
+      _mm256_storeu_ps(sum + m0, _mm256_fmadd_ps(_mm256_loadu_ps(sum + m0), alpha, chunk_sum));
+      _mm256_storeu_ps(mx + m0, new_max);
+      alignas(32) float scale[8];
+      _mm256_store_ps(scale, alpha);
+      for (int i = 0; i < 8 && m0 + i < M; ++i) {
+        if (scale[i] == 1.0f) continue;
+        const __m256 s = _mm256_set1_ps(scale[i]);
+        float* am = acc + (m0 + i) * d;
+        for (int x = 0; x < d; x += 8)
+          _mm256_storeu_ps(am + x, _mm256_mul_ps(s, _mm256_loadu_ps(am + x)));
+      }
+    }
+    // acc += p . V, value by value.
+    for (int j = 0; j < n; ++j) {
+      const T* vj = vc + base + j * token_stride;
+      const float* pj = p + j * padded;
+      for (int h = 0; h < it.g1 - it.g0; ++h) {
+        int c = 0;
+        for (; c + 32 <= d; c += 32)
+          accumulate_group<4>(acc + h * group * d, pj + h * group, vj + h * d, group, d, c);
+        for (; c < d; c += 8)
+          accumulate_group<1>(acc + h * group * d, pj + h * group, vj + h * d, group, d, c);
+      }
+    }
+    k0 += n;
+  }
+
+  for (int m = 0; m < M; ++m) {
+    const float* am = acc + m * d;
+    if (it.partial >= 0) {  // a split: keep max, sum and the unnormalised accumulator
+      std::copy(am, am + d, partial_acc + (it.partial * M + m) * d);
+      partial_ml[(it.partial * M + m) * 2] = mx[m];
+      partial_ml[(it.partial * M + m) * 2 + 1] = sum[m];
+      continue;
+    }
+    float* dst = pb.out + (row * pb.num_heads + it.g0 * group + m) * d;
+    const float inv = sum[m] > 0.0f ? 1.0f / sum[m] : 0.0f;
+    for (int x = 0; x < d; ++x) dst[x] = am[x] * inv;
+  }
 }
 
 // A split decode row: its sequence, its first partial slot and how many splits it has.
@@ -375,10 +480,13 @@ void run(const Problem& pb, const std::vector<WorkItem>& items, const std::vecto
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     Scratch sc;
-    sc.reserve(max_m, d);
+    sc.reserve((max_m + 7) / 8 * 8, d);  // decode rows pad their vectors to 8
     for (int64_t w = begin; w < end; ++w)
       for (int64_t i = next_item++; i < num_items; i = next_item++)
-        run_item<T>(pb, items[i], sc, partial_acc.data(), partial_ml.data());
+        if (items[i].rows == 1)
+          run_decode_item<T>(pb, items[i], sc, partial_acc.data(), partial_ml.data());
+        else
+          run_item<T>(pb, items[i], sc, partial_acc.data(), partial_ml.data());
   });
   // Merge the splits of each decode row by log-sum-exp.
   for (const Merge& mg : merges) {
