@@ -225,9 +225,15 @@ inline void prefetch_rows(const char* first, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(first + off, _MM_HINT_T1);
 }
 
+// dst = acc / sum: a query vector's output once all its keys are in (0 without any).
+inline void store_normalized(float* dst, const float* acc, float sum, int d) {
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  for (int x = 0; x < d; ++x) dst[x] = acc[x] * inv;
+}
+
+// A tile of several query rows (a prompt chunk); never a split (splits are decode rows).
 template <typename T>
-void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial_acc,
-              float* partial_ml) {
+void run_item(const Problem& pb, const WorkItem& it, Scratch& sc) {
   const int d = pb.head_dim;
   const int group = pb.num_heads / pb.num_kv_heads;
   const int per_head = it.rows * group;  // query vectors of one KV head
@@ -307,16 +313,8 @@ void run_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* partial
     for (int r = 0; r < it.rows; ++r)
       for (int i = 0; i < group; ++i) {
         const int m = (g - it.g0) * per_head + r * group + i;
-        const float* am = sc.acc.data() + m * d;
-        if (it.partial >= 0) {  // a split: keep max, sum and the unnormalised accumulator
-          std::copy(am, am + d, partial_acc + (it.partial * M + m) * d);
-          partial_ml[(it.partial * M + m) * 2] = sc.m[m];
-          partial_ml[(it.partial * M + m) * 2 + 1] = sc.l[m];
-          continue;
-        }
         float* dst = pb.out + ((q0 + it.row0 + r) * pb.num_heads + g * group + i) * d;
-        const float inv = sc.l[m] > 0.0f ? 1.0f / sc.l[m] : 0.0f;
-        for (int x = 0; x < d; ++x) dst[x] = am[x] * inv;
+        store_normalized(dst, sc.acc.data() + m * d, sc.l[m], d);
       }
 }
 
@@ -451,9 +449,7 @@ void run_decode_item(const Problem& pb, const WorkItem& it, Scratch& sc, float* 
       partial_ml[(it.partial * M + m) * 2 + 1] = sum[m];
       continue;
     }
-    float* dst = pb.out + (row * pb.num_heads + it.g0 * group + m) * d;
-    const float inv = sum[m] > 0.0f ? 1.0f / sum[m] : 0.0f;
-    for (int x = 0; x < d; ++x) dst[x] = am[x] * inv;
+    store_normalized(pb.out + (row * pb.num_heads + it.g0 * group + m) * d, am, sum[m], d);
   }
 }
 
@@ -486,7 +482,7 @@ void run(const Problem& pb, const std::vector<WorkItem>& items, const std::vecto
         if (items[i].rows == 1)
           run_decode_item<T>(pb, items[i], sc, partial_acc.data(), partial_ml.data());
         else
-          run_item<T>(pb, items[i], sc, partial_acc.data(), partial_ml.data());
+          run_item<T>(pb, items[i], sc);
   });
   // Merge the splits of each decode row by log-sum-exp.
   for (const Merge& mg : merges) {
@@ -505,8 +501,7 @@ void run(const Problem& pb, const std::vector<WorkItem>& items, const std::vecto
         const float* src = partial_acc.data() + ((mg.first + p) * M + m) * d;
         for (int x = 0; x < d; ++x) dst[x] += w * src[x];
       }
-      const float inv = l_all > 0.0f ? 1.0f / l_all : 0.0f;
-      for (int x = 0; x < d; ++x) dst[x] *= inv;
+      store_normalized(dst, dst, l_all, d);
     }
   }
 }
@@ -612,6 +607,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     TORCH_CHECK(items[i].b >= 0 && items[i].b < num_seqs && items[i].g0 >= 0 &&
                     items[i].g1 <= pb.num_kv_heads && items[i].g0 < items[i].g1 && items[i].rows >= 1,
                 "work item ", i, " is out of range");
+    TORCH_CHECK(items[i].partial < 0 || items[i].rows == 1, "work item ", i,
+                " splits a tile of several rows: only decode rows are split");
   }
   const int64_t* mp = merges.data_ptr<int64_t>();
   std::vector<Merge> merge_list(merges.size(0));
