@@ -392,9 +392,10 @@ static inline LaneInts load_lanes(const uint8_t* p) {
 static inline LanesI as_lanes(LaneInts v) { return reinterpret_cast<LanesI>(v); }
 static inline LaneInts as_lane_ints(LanesI v) { return reinterpret_cast<LaneInts>(v); }
 constexpr int32_t kLowNibbles = 0x0F0F0F0F;
-// unit u of the group's field at `field` (`unit` bytes each), for the rows from `lo` on
-static inline const uint8_t* unit_at(const uint8_t* field, int u, int lo, int unit) {
-  return field + (u * kInterleavedGroupRows + lo) * unit;
+// unit u of a group's field (`unit` bytes each), `rows` being the field's start advanced to
+// the first row read: with u known when compiled, an address is a register and a constant
+static inline const uint8_t* unit_at(const uint8_t* rows, int u, int unit) {
+  return rows + static_cast<ptrdiff_t>(u) * kInterleavedGroupRows * unit;
 }
 
 // Each kind reads a block of kW weight rows through a source: FromTile, a Tile the panel
@@ -435,14 +436,15 @@ struct InterleavedQ4_1 {
     LanesF m() const { return lanes_load_f(t.m); }
   };
   struct FromGroup {
-    const uint8_t* p;
-    int lo;
+    const uint8_t *rows2, *rows4;  // the block advanced by the first row's 2- and 4-byte units
+    FromGroup(const uint8_t* block, int first)
+        : rows2(block + 2 * first), rows4(block + 4 * first) {}
     LanesI q(int u) const {
-      const LaneInts v = load_lanes(unit_at(p + interleaved::kQ4_1Qs, u % 4, lo, 4));
+      const LaneInts v = load_lanes(unit_at(rows4 + interleaved::kQ4_1Qs, u % 4, 4));
       return as_lanes((v >> 4 * (u / 4)) & kLowNibbles);
     }
-    LanesF d() const { return load_halves(p + interleaved::kQ4_1D + 2 * lo); }
-    LanesF m() const { return load_halves(p + interleaved::kQ4_1M + 2 * lo); }
+    LanesF d() const { return load_halves(rows2 + interleaved::kQ4_1D); }
+    LanesF m() const { return load_halves(rows2 + interleaved::kQ4_1M); }
   };
   static void fill(const FromGroup& w, Tile& t) {
     for (int u = 0; u < 8; ++u) lanes_store_i(t.q[u], w.q(u));
@@ -528,17 +530,16 @@ struct InterleavedQ4K {
   // The 6-bit scales and minimums unpacked as ggml's get_scale_min_k4 does, for all the
   // rows at once, from the three dwords of each row's 12 bytes.
   struct FromGroup {
-    const uint8_t* p;
-    int lo;
+    const uint8_t *rows2, *rows4;  // the block advanced by the first row's 2- and 4-byte units
     LaneInts d0, d1, d2;
     FromGroup(const uint8_t* block, int first)
-        : p(block),
-          lo(first),
-          d0(load_lanes(unit_at(block + interleaved::kQ4KScales, 0, first, 4))),
-          d1(load_lanes(unit_at(block + interleaved::kQ4KScales, 1, first, 4))),
-          d2(load_lanes(unit_at(block + interleaved::kQ4KScales, 2, first, 4))) {}
+        : rows2(block + 2 * first),
+          rows4(block + 4 * first),
+          d0(load_lanes(unit_at(rows4 + interleaved::kQ4KScales, 0, 4))),
+          d1(load_lanes(unit_at(rows4 + interleaved::kQ4KScales, 1, 4))),
+          d2(load_lanes(unit_at(rows4 + interleaved::kQ4KScales, 2, 4))) {}
     LanesI q(int j, int u) const {
-      const LaneInts v = load_lanes(unit_at(p + interleaved::kQ4KQs, 8 * (j / 2) + u, lo, 4));
+      const LaneInts v = load_lanes(unit_at(rows4 + interleaved::kQ4KQs, 8 * (j / 2) + u, 4));
       return as_lanes((v >> 4 * (j % 2)) & kLowNibbles);
     }
     LanesI scale(int j) const {
@@ -550,8 +551,8 @@ struct InterleavedQ4K {
       return j < 4 ? (d1 >> s) & 63 : ((d2 >> (s + 4)) & 0xF) | (((d1 >> (s + 6)) & 3) << 4);
     }
     LanesI mins(int k) const { return as_lanes(min(2 * k) | (min(2 * k + 1) << 16)); }
-    LanesF d() const { return load_halves(p + interleaved::kQ4KD + 2 * lo); }
-    LanesF dmin() const { return load_halves(p + interleaved::kQ4KDmin + 2 * lo); }
+    LanesF d() const { return load_halves(rows2 + interleaved::kQ4KD); }
+    LanesF dmin() const { return load_halves(rows2 + interleaved::kQ4KDmin); }
   };
   static void fill(const FromGroup& w, Tile& t) {
     for (int j = 0; j < 8; ++j) {
@@ -647,24 +648,28 @@ struct InterleavedQ6K {
   }
 };
 
-// R activation rows through kW weight rows (source(b): block b's source); the first `here`
-// outputs of each stored at out[r].
-template <typename Kind, int R, typename Source>
+// R activation rows through H x kW weight rows (source(b, h): block b's source for rows
+// h * kW..); the first `here` outputs of each stored at out[r].
+template <typename Kind, int R, int H, typename Source>
 static void interleaved_rows(int nb, Source source, const typename Kind::Activation* const* ys,
                              const typename Kind::Act* const* a, float* const* out, int here) {
-  LanesF acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = lanes_zero_f();
-  for (int b = 0; b < nb; ++b) Kind::template add_block<R>(source(b), ys, a, b, acc);
-  for (int r = 0; r < R; ++r) lanes_store(out[r], acc[r], here);
+  LanesF acc[H][R];
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = lanes_zero_f();
+  for (int b = 0; b < nb; ++b)
+    for (int h = 0; h < H; ++h) Kind::template add_block<R>(source(b, h), ys, a, b, acc[h]);
+  for (int h = 0; h < H && h * kW < here; ++h)
+    for (int r = 0; r < R; ++r)
+      lanes_store(out[r] + h * kW, acc[h][r], std::min(kW, here - h * kW));
 }
 
-// The interleaved panels' loops: kW weight rows at a time (rows_at(p0, here): a source of
-// rows p0.., as interleaved_rows takes it), the activation rows through them
+// The interleaved panels' loops: H x kW weight rows at a time (rows_at(p0, here): a source
+// of rows p0.., as interleaved_rows takes it), the activation rows through them
 // Kind::kPassRows at a time.
 // What only the activations decide (Kind::Act) is made once for the whole panel, in a
 // buffer of the thread's own, kept from call to call (a decode step makes hundreds of
 // these calls).
-template <typename Kind, typename RowsAt>
+template <typename Kind, int H, typename RowsAt>
 static void weight_row_passes(int n, int64_t count, const uint8_t* activations,
                               int64_t activation_stride, int rows, float* out,
                               int64_t out_stride, RowsAt rows_at) {
@@ -679,8 +684,8 @@ static void weight_row_passes(int n, int64_t count, const uint8_t* activations,
   for (int r = 0; r < rows; ++r)
     for (int b = 0; b < nb; ++b) acts[static_cast<size_t>(r) * nb + b] = Kind::act(activation_row(r)[b]);
   constexpr int kRows = Kind::kPassRows;
-  for (int64_t p0 = 0; p0 < count; p0 += kW) {
-    const int here = static_cast<int>(std::min<int64_t>(kW, count - p0));
+  for (int64_t p0 = 0; p0 < count; p0 += H * kW) {
+    const int here = static_cast<int>(std::min<int64_t>(H * kW, count - p0));
     const auto source = rows_at(p0, here);
     for (int r0 = 0; r0 < rows; r0 += kRows) {
       const int group = std::min(kRows, rows - r0);
@@ -693,14 +698,14 @@ static void weight_row_passes(int n, int64_t count, const uint8_t* activations,
         o[r] = out + (r0 + r) * out_stride + p0;
       }
       switch (group) {
-        case 8: interleaved_rows<Kind, 8>(nb, source, ys, a, o, here); break;
-        case 7: interleaved_rows<Kind, 7>(nb, source, ys, a, o, here); break;
-        case 6: interleaved_rows<Kind, 6>(nb, source, ys, a, o, here); break;
-        case 5: interleaved_rows<Kind, 5>(nb, source, ys, a, o, here); break;
-        case 4: interleaved_rows<Kind, 4>(nb, source, ys, a, o, here); break;
-        case 3: interleaved_rows<Kind, 3>(nb, source, ys, a, o, here); break;
-        case 2: interleaved_rows<Kind, 2>(nb, source, ys, a, o, here); break;
-        default: interleaved_rows<Kind, 1>(nb, source, ys, a, o, here);
+        case 8: interleaved_rows<Kind, 8, H>(nb, source, ys, a, o, here); break;
+        case 7: interleaved_rows<Kind, 7, H>(nb, source, ys, a, o, here); break;
+        case 6: interleaved_rows<Kind, 6, H>(nb, source, ys, a, o, here); break;
+        case 5: interleaved_rows<Kind, 5, H>(nb, source, ys, a, o, here); break;
+        case 4: interleaved_rows<Kind, 4, H>(nb, source, ys, a, o, here); break;
+        case 3: interleaved_rows<Kind, 3, H>(nb, source, ys, a, o, here); break;
+        case 2: interleaved_rows<Kind, 2, H>(nb, source, ys, a, o, here); break;
+        default: interleaved_rows<Kind, 1, H>(nb, source, ys, a, o, here);
       }
     }
   }
@@ -723,19 +728,19 @@ static void interleaved_panel(int n, const uint8_t* weights, int64_t row_bytes, 
       x[i] = i < here ? reinterpret_cast<const Weight*>(weights + (p0 + i) * row_bytes) : nullptr;
     for (int b = 0; b < nb; ++b) Kind::interleave(x, b, tile[b]);
     const Tile* t = tile.data();
-    return [t](int b) { return typename Kind::FromTile{t[b]}; };
+    return [t](int b, int) { return typename Kind::FromTile{t[b]}; };
   };
-  weight_row_passes<Kind>(n, count, activations, activation_stride, rows, out, out_stride,
-                          rows_at);
+  weight_row_passes<Kind, 1>(n, count, activations, activation_stride, rows, out, out_stride,
+                             rows_at);
 }
 
 // The weight rows in the interleaved layout (gguf_interleaved_layout.h); `weights` starts a
 // group and `count` is a whole number of groups. Up to `in_place_rows` activation rows
-// they are read in place, each block fetched into cache this many bytes ahead (the layout
-// is read front to back, and a decode step streams it from memory: measured ~10% faster
-// on 1.7B-shaped Q4_K weights, scripts/gguf_tensor_speed.py); above, each pass unpacks
-// them into a Tile once for its passes of activation rows.
-constexpr int64_t kPrefetchAhead = 4096;
+// they are read in place, a whole group's block at a time (the AVX2 build's two passes of
+// 8 rows read it block by block together, so each cache line is used up while it is held;
+// a pass of 8 rows over the whole group, then the other 8, streamed Q4_K weights at about
+// two thirds of the speed); above, each pass unpacks them into a Tile once for its passes
+// of activation rows.
 template <typename Kind, int in_place_rows>
 static void grouped_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
                           const uint8_t* activations, int64_t activation_stride, int rows,
@@ -749,16 +754,10 @@ static void grouped_panel(int n, const uint8_t* weights, int64_t row_bytes, int6
   if (rows <= in_place_rows) {
     auto in_place = [&](int64_t p0, int) {
       const uint8_t* group = group_of(p0);
-      const int lo = static_cast<int>(p0 % G);
-      return [group, lo](int b) {
-        const uint8_t* block = group + b * block_bytes;
-        for (int64_t c = 0; c < block_bytes; c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAhead + c), _MM_HINT_T0);
-        return FromGroup{block, lo};
-      };
+      return [group](int b, int h) { return FromGroup{group + b * block_bytes, h * kW}; };
     };
-    weight_row_passes<Kind>(n, count, activations, activation_stride, rows, out, out_stride,
-                            in_place);
+    weight_row_passes<Kind, G / kW>(n, count, activations, activation_stride, rows, out,
+                                    out_stride, in_place);
     return;
   }
   thread_local std::vector<Tile> tile;
@@ -768,10 +767,10 @@ static void grouped_panel(int n, const uint8_t* weights, int64_t row_bytes, int6
     const int lo = static_cast<int>(p0 % G);
     for (int b = 0; b < nb; ++b) Kind::fill(FromGroup{group + b * block_bytes, lo}, tile[b]);
     const Tile* t = tile.data();
-    return [t](int b) { return typename Kind::FromTile{t[b]}; };
+    return [t](int b, int) { return typename Kind::FromTile{t[b]}; };
   };
-  weight_row_passes<Kind>(n, count, activations, activation_stride, rows, out, out_stride,
-                          unpacked);
+  weight_row_passes<Kind, 1>(n, count, activations, activation_stride, rows, out, out_stride,
+                             unpacked);
 }
 
 // Below `min_rows` activation rows, Few's rows kernel (rows_panel's loop); from it on, the
