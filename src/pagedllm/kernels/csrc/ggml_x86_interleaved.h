@@ -320,7 +320,7 @@ using LanesI = __m256i;
 using LanesF = __m256;
 // The sums as 16-bit pairs, each lane's two halves adding to its sum (8 x 2 x 15 x 128 fits).
 // The empty asm keeps each row's sum one chain: GCC otherwise regroups the 8 additions
-// into a tree whose 32 live products spill to the stack (measured: 64 rows of Q4_K, ~10%).
+// into a tree whose 32 live products spill to the stack (docs/kernels.md).
 template <int R, typename W>
 static inline void pair_sums_32(W w, const int8_t* const* q, __m256i* p) {
   for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
