@@ -288,7 +288,6 @@ static inline void add_scaled_16(W w, const int8_t* const* q, __m512i sc, __m512
   }
 }
 static inline int32_t lane_scale(int8_t sc) { return sc; }
-static inline LanesI lanes_add(LanesI a, LanesI b) { return _mm512_add_epi32(a, b); }
 static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
   return _mm512_dpwssd_epi32(acc, a, _mm512_set1_epi32(b));
 }
@@ -376,7 +375,6 @@ static inline int32_t lane_scale(int8_t sc) {
   const uint32_t half = static_cast<uint16_t>(sc);
   return static_cast<int32_t>(half | half << 16);
 }
-static inline LanesI lanes_add(LanesI a, LanesI b) { return _mm256_add_epi32(a, b); }
 static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(b)));
 }
@@ -708,7 +706,8 @@ static void weight_row_passes(int n, int64_t count, const uint8_t* activations,
   thread_local std::vector<Act> acts;
   acts.resize(static_cast<size_t>(rows) * nb);
   for (int r = 0; r < rows; ++r)
-    for (int b = 0; b < nb; ++b) acts[static_cast<size_t>(r) * nb + b] = Kind::act(activation_row(r)[b]);
+    for (int b = 0; b < nb; ++b)
+      acts[static_cast<size_t>(r) * nb + b] = Kind::act(activation_row(r)[b]);
   constexpr int kRows = Kind::kPassRows;
   for (int64_t p0 = 0; p0 < count; p0 += H * kW) {
     const int here = static_cast<int>(std::min<int64_t>(H * kW, count - p0));
