@@ -43,6 +43,7 @@ static float dot_q4_1(int n, const void* vx, const void* vy) {
   const __m256i ones = _mm256_set1_epi16(1);
   float acc = 0.f;
   for (int b = 0; b < n / QK4_1; ++b) {
+    prefetch_weights_ahead(x + b);
     const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs));
     const int32_t s = hsum_i32_8(
         _mm256_madd_epi16(_mm256_maddubs_epi16(bytes_from_nibbles_32(x[b].qs), qy), ones));
@@ -65,6 +66,7 @@ struct RowsQ4K {
     uint32_t utmp[4];
     float acc[R] = {};
     for (int b = 0; b < n / QK_K; ++b) {
+      prefetch_weights_ahead(x + b);
       unpack_scales_mins_k4(x[b].scales, utmp);
       const __m256i mins_and_scales =
           _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
@@ -134,6 +136,7 @@ struct RowsQ6K {
     const block_q6_K* x = static_cast<const block_q6_K*>(vx);
     float acc[R] = {};
     for (int b = 0; b < n / QK_K; ++b) {
+      prefetch_weights_ahead(x + b);
       const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales));
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();

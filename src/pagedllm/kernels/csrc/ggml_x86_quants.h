@@ -14,7 +14,8 @@
 // __AVX2__ branches only; and quantize_row_q8_K_ref with nearest_int from
 // src/ggml-quants.c (ggml's x86 build uses that scalar code for Q8_K too). Changed: C++
 // casts; each dot product returns its float instead of taking ggml's strides and row
-// counts; Q8_1 keeps the integer sum of its quants (see ggml_blocks.h).
+// counts; Q8_1 keeps the integer sum of its quants (see ggml_blocks.h); each dot prefetches
+// its weights (prefetch_weights_ahead, vec.h).
 //
 // MIT License
 //
@@ -253,6 +254,7 @@ static float vec_dot_q4_0_q8_0(int n, const void* vx, const void* vy) {
 
   __m256 acc = _mm256_setzero_ps();
   for (int ib = 0; ib < nb; ++ib) {
+    prefetch_weights_ahead(x + ib);
     // Compute combined scale for the block
     const __m256 d = _mm256_set1_ps(fp16_to_fp32(x[ib].d) * fp16_to_fp32(y[ib].d));
 
@@ -279,6 +281,7 @@ static float vec_dot_q5_0_q8_0(int n, const void* vx, const void* vy) {
 
   __m256 acc = _mm256_setzero_ps();
   for (int ib = 0; ib < nb; ++ib) {
+    prefetch_weights_ahead(x + ib);
     // Compute combined scale for the block
     const __m256 d = _mm256_set1_ps(fp16_to_fp32(x[ib].d) * fp16_to_fp32(y[ib].d));
 
@@ -304,6 +307,7 @@ static float vec_dot_q8_0_q8_0(int n, const void* vx, const void* vy) {
 
   __m256 acc = _mm256_setzero_ps();
   for (int ib = 0; ib < nb; ++ib) {
+    prefetch_weights_ahead(x + ib);
     // Compute combined scale for the block
     const __m256 d = _mm256_set1_ps(fp16_to_fp32(x[ib].d) * fp16_to_fp32(y[ib].d));
     __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[ib].qs));
@@ -345,6 +349,7 @@ static float vec_dot_q5_K_q8_K(int n, const void* vx, const void* vy) {
   float summs = 0.f;
 
   for (int i = 0; i < nb; ++i) {
+    prefetch_weights_ahead(x + i);
     const uint8_t* q5 = x[i].qs;
     const int8_t* q8 = y[i].qs;
 

@@ -1,5 +1,6 @@
 // Small AVX2 helpers shared by the kernels: loads that convert half precision to fp32,
-// horizontal sums and maxima, and exp() of eight floats at once.
+// horizontal sums and maxima, exp() of eight floats at once, and the one-row dots'
+// prefetch of their weights.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -53,6 +54,20 @@ inline __m256 exp8(__m256 x) {
   __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
   __m256 pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(n, 23));
   return _mm256_andnot_ps(is_neg_inf, _mm256_mul_ps(y, pow2n));
+}
+
+// The lines of the weight block kWeightPrefetchBytes past `block`, fetched for one use. A
+// one-row dot streams each weight row once and re-reads the activation row for every one;
+// past about 12k inputs, where a weight row and the activation row no longer fit in L1
+// together, the dots ran at about half their narrow-row speed on one core, the hardware
+// prefetcher alone not keeping the weights ahead (docs/kernels.md, "Wide rows prefetch
+// their weights"). A prefetch past the tensor's end never faults.
+constexpr int kWeightPrefetchBytes = 3072;
+template <typename Block>
+inline void prefetch_weights_ahead(const Block* block) {
+  const char* ahead = reinterpret_cast<const char*>(block) + kWeightPrefetchBytes;
+  for (size_t line = 0; line < sizeof(Block); line += 64)
+    _mm_prefetch(ahead + line, _MM_HINT_NTA);
 }
 
 }  // namespace pagedllm
