@@ -321,19 +321,25 @@ static inline LanesF load_halves(const uint8_t* p) {
 using LanesI = __m256i;
 using LanesF = __m256;
 // The sums as 16-bit pairs, each lane's two halves adding to its sum (8 x 2 x 15 x 128 fits).
-// The empty asm keeps each row's sum one chain: GCC otherwise regroups the 8 additions
-// into a tree whose 32 live products spill to the stack (docs/kernels.md).
+// Each row's sum is two chains, the even and the odd dwords', added at the end: one chain
+// of 8 additions kept the loop waiting on them, and GCC's own tree of them held all 32
+// products of 4 rows at once and spilled them; the empty asm keeps the two chains as
+// written (docs/kernels.md). Integer additions: the same sums.
 template <int R, typename W>
 static inline void pair_sums_32(W w, const int8_t* const* q, __m256i* p) {
-  for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+  __m256i half[2][R];
+  for (int c = 0; c < 2; ++c)
+    for (int r = 0; r < R; ++r) half[c][r] = _mm256_setzero_si256();
   for (int t = 0; t < 8; ++t) {
     const __m256i wt = w(t);
     for (int r = 0; r < R; ++r) {
       const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
-      p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(wt, _mm256_set1_epi32(a[t])));
-      asm("" : "+x"(p[r]));
+      __m256i& h = half[t % 2][r];
+      h = _mm256_add_epi16(h, _mm256_maddubs_epi16(wt, _mm256_set1_epi32(a[t])));
+      asm("" : "+x"(h));
     }
   }
+  for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(half[0][r], half[1][r]);
 }
 template <int R, typename W>
 static inline void sums_32(W w, const int8_t* const* q, LanesI* s) {
