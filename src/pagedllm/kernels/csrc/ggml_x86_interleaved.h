@@ -322,9 +322,9 @@ using LanesI = __m256i;
 using LanesF = __m256;
 // The sums as 16-bit pairs, each lane's two halves adding to its sum (8 x 2 x 15 x 128 fits).
 // Each row's sum is two chains, the even and the odd dwords', added at the end: one chain
-// of 8 additions kept the loop waiting on them, and GCC's own tree of them held all 32
-// products of 4 rows at once and spilled them; the empty asm keeps the two chains as
-// written (docs/kernels.md). Integer additions: the same sums.
+// of 8 dependent additions ran slower, and GCC's own tree of them held all 32 products of
+// 4 rows at once and spilled them; the empty asm keeps the two chains as written
+// (docs/kernels.md, "Two chains per row"). Integer additions: the same sums.
 template <int R, typename W>
 static inline void pair_sums_32(W w, const int8_t* const* q, __m256i* p) {
   __m256i half[2][R];
