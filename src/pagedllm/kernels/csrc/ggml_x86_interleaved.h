@@ -21,9 +21,10 @@
 //   Q4_K: I = sum over sub-blocks j of sc_j * (sum of q_w * q_a over j), M = sum of m_j * P_j
 //         (P_j: the activations' sum over j), both exact in int32;
 //         acc = fma(d_w * d_a, I, acc);  acc = fma(dmin_w * d_a, -M, acc)
-//   Q6_K: I = sum over the 16 sub-blocks j of sc_j * (sum of u_w * q_a over j) - 32 * M, where
-//         u_w = q_w + 32 (0..63) and M = sum of sc_j * P_j, all exact in int32;
-//         acc = fma(d_w * d_a, I, acc)
+//   Q6_K: I = sum over the 16 sub-blocks j of sc_j * (sum of q_w * q_a over j), exact in int32
+//         (the one-row dot sums u_w * q_a, u_w = q_w + 32, less 32 * sum_j sc_j * P_j; the
+//         interleaved panels sum q_w * (q_a + 128), less 128 * C, C = sum_j sc_j * (sum of
+//         q_w over j), made with the tile: the same integer);  acc = fma(d_w * d_a, I, acc)
 
 #if !defined(PAGEDLLM_GGUF_Q4_K_INTERLEAVED_MIN_ROWS) || \
     !defined(PAGEDLLM_GGUF_Q6_K_INTERLEAVED_MIN_ROWS)
@@ -277,28 +278,31 @@ static inline void add_scaled_32(W w, const int8_t* const* q, __m512i sc, __m512
   sums_32<R>(w, q, s);
   for (int r = 0; r < R; ++r) acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(s[r], sc));
 }
-// acc[r] += sc * (the sum of 16 products of activation row r, q[r], with the interleaved
-// rows' dwords w(0..3)); sc: lane_scale of each row's scale
+// acc[r] += sc * (the sum of 16 products of activation row r, q[r], unsigned, with the
+// interleaved rows' signed dwords w(0..3)); sc: lane_scale of each row's scale
 template <int R, typename W>
-static inline void add_scaled_16(W w, const int8_t* const* q, __m512i sc, __m512i* acc) {
+static inline void add_scaled_16(W w, const uint8_t* const* q, __m512i sc, __m512i* acc) {
   __m512i v[4];
   for (int t = 0; t < 4; ++t) v[t] = w(t);
   for (int r = 0; r < R; ++r) {
     const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
-    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(a[0]));
-    for (int t = 1; t < 4; ++t) s = _mm512_dpbusd_epi32(s, v[t], _mm512_set1_epi32(a[t]));
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(a[0]), v[0]);
+    for (int t = 1; t < 4; ++t) s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(a[t]), v[t]);
     acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(s, sc));
   }
 }
 static inline int32_t lane_scale(int8_t sc) { return sc; }
+// lane_scale of each lane's low and high 16-bit value
+static inline __m512i lane_scales_low(__m512i pairs) {
+  return _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16);
+}
+static inline __m512i lane_scales_high(__m512i pairs) { return _mm512_srai_epi32(pairs, 16); }
 static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
   return _mm512_dpwssd_epi32(acc, a, _mm512_set1_epi32(b));
 }
 static inline LanesI lanes_zero_i() { return _mm512_setzero_si512(); }
 static inline LanesI lanes_neg(LanesI a) { return _mm512_sub_epi32(_mm512_setzero_si512(), a); }
-static inline LanesI lanes_sub_32x(LanesI a, LanesI b) {  // a - 32 * b
-  return _mm512_sub_epi32(a, _mm512_slli_epi32(b, 5));
-}
+static inline LanesI lanes_sub(LanesI a, LanesI b) { return _mm512_sub_epi32(a, b); }
 static inline LanesI lanes_load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
 static inline void lanes_store_i(int32_t* p, LanesI v) { _mm512_storeu_si512(p, v); }
 static inline LanesF lanes_zero_f() { return _mm512_setzero_ps(); }
@@ -362,20 +366,20 @@ static inline void add_scaled_32(W w, const int8_t* const* q, __m256i sc, __m256
     for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p[r], pair));
   }
 }
-// acc[r] += sc * (the sum of 16 products of activation row r, q[r], with the interleaved
-// rows' dwords w(0..3)); sc: lane_scale of each row's scale, a 16-bit pair, so that one
-// vpmaddwd both adds a lane's pair sums and scales them (two 16-bit sums of 8 products:
-// 8 x 63 x 128 fits where 16 would not)
+// acc[r] += sc * (the sum of 16 products of activation row r, q[r], unsigned, with the
+// interleaved rows' signed dwords w(0..3)); sc: lane_scale of each row's scale, a 16-bit
+// pair, so that one vpmaddwd both adds a lane's two 16-bit sums and scales them (each sums
+// 4 products, at most 4 x 255 x 32 = 32640 in size: it fits)
 template <int R, typename W>
-static inline void add_scaled_16(W w, const int8_t* const* q, __m256i sc, __m256i* acc) {
+static inline void add_scaled_16(W w, const uint8_t* const* q, __m256i sc, __m256i* acc) {
   __m256i v[4];
   for (int t = 0; t < 4; ++t) v[t] = w(t);
   for (int r = 0; r < R; ++r) {
     const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
     __m256i p[2];
     for (int h = 0; h < 2; ++h)
-      p[h] = _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * h], _mm256_set1_epi32(a[2 * h])),
-                              _mm256_maddubs_epi16(v[2 * h + 1], _mm256_set1_epi32(a[2 * h + 1])));
+      p[h] = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(a[2 * h]), v[2 * h]),
+                              _mm256_maddubs_epi16(_mm256_set1_epi32(a[2 * h + 1]), v[2 * h + 1]));
     acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(p[0], sc),
                                                        _mm256_madd_epi16(p[1], sc)));
   }
@@ -384,14 +388,19 @@ static inline int32_t lane_scale(int8_t sc) {
   const uint32_t half = static_cast<uint16_t>(sc);
   return static_cast<int32_t>(half | half << 16);
 }
+// lane_scale of each lane's low and high 16-bit value
+static inline __m256i lane_scales_low(__m256i pairs) {
+  return _mm256_blend_epi16(pairs, _mm256_slli_epi32(pairs, 16), 0xAA);
+}
+static inline __m256i lane_scales_high(__m256i pairs) {
+  return _mm256_blend_epi16(pairs, _mm256_srli_epi32(pairs, 16), 0x55);
+}
 static inline LanesI lanes_madd16(LanesI acc, LanesI a, int32_t b) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, _mm256_set1_epi32(b)));
 }
 static inline LanesI lanes_zero_i() { return _mm256_setzero_si256(); }
 static inline LanesI lanes_neg(LanesI a) { return _mm256_sub_epi32(_mm256_setzero_si256(), a); }
-static inline LanesI lanes_sub_32x(LanesI a, LanesI b) {  // a - 32 * b
-  return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 5));
-}
+static inline LanesI lanes_sub(LanesI a, LanesI b) { return _mm256_sub_epi32(a, b); }
 static inline LanesI lanes_load_i(const int32_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
@@ -624,60 +633,83 @@ struct InterleavedQ6K {
   using Weight = block_q6_K;
   using Activation = block_q8_K;
   struct Act {
+    uint8_t qs[QK_K];  // q_a + 128, unsigned: the weights' C then stands for the offset
     float d;
-    int32_t sums[8];  // P_2k and P_2k+1, the sums over sub-blocks, as 16-bit pairs
   };
   struct Tile {
-    int32_t q[8][8][kW];  // per 32 values: dwords 0-3 are sub-block 2g, 4-7 sub-block 2g+1
-    int32_t scales[16][kW];      // lane_scale(sc_j)
-    int32_t scale_pairs[8][kW];  // sc_2k and sc_2k+1 as 16-bit pairs
+    int32_t q[8][8][kW];  // q_w, signed; per 32 values: dwords 0-3 sub-block 2g, 4-7 2g+1
+    int32_t scales[16][kW];  // lane_scale(sc_j)
+    int32_t offsets[kW];     // 128 * C
     float d[kW];
   };
   static Act act(const block_q8_K& y) {
     Act a;
+    for (int g = 0; g < QK_K / 32; ++g) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.qs) + g);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.qs) + g,
+                          _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))));
+    }
     a.d = y.d;
-    memcpy(a.sums, y.bsums, sizeof(a.sums));
     return a;
   }
   static void interleave(const block_q6_K* const* x, int b, Tile& t) {
     static const block_q6_K kZero = {};
-    for (int g = 0; g < 8; ++g)
-      interleave_values([&](int i) { return q6_values_32(x[i] ? x[i][b] : kZero, g); },
-                        &t.q[g][0][0]);
+    const block_q6_K* w[kW];
     for (int i = 0; i < kW; ++i) {
-      const block_q6_K& w = x[i] ? x[i][b] : kZero;
-      for (int j = 0; j < 16; ++j) t.scales[j][i] = lane_scale(w.scales[j]);
-      for (int k = 0; k < 8; ++k) {
-        const uint32_t lo = static_cast<uint16_t>(w.scales[2 * k]);
-        const uint32_t hi = static_cast<uint16_t>(w.scales[2 * k + 1]);
-        t.scale_pairs[k][i] = static_cast<int32_t>(lo | hi << 16);
-      }
-      t.d[i] = fp16_to_fp32(w.d);
+      w[i] = x[i] ? x[i] + b : &kZero;
+      prefetch_weights_ahead(w[i]);
+    }
+    for (int g = 0; g < 8; ++g)
+      interleave_values(
+          [&](int i) { return _mm256_sub_epi8(q6_values_32(*w[i], g), _mm256_set1_epi8(32)); },
+          &t.q[g][0][0]);
+    // a row's 16 scales as 16-bit values are its 8 pairs of them
+    alignas(64) int32_t pairs[8][kW];
+    interleave_values(
+        [&](int i) {
+          const auto* scales = reinterpret_cast<const __m128i*>(w[i]->scales);
+          return _mm256_cvtepi8_epi16(_mm_loadu_si128(scales));
+        },
+        &pairs[0][0]);
+    for (int k = 0; k < 8; ++k) {
+      const LanesI pair = lanes_load_i(pairs[k]);
+      lanes_store_i(t.scales[2 * k], lane_scales_low(pair));
+      lanes_store_i(t.scales[2 * k + 1], lane_scales_high(pair));
+    }
+    // C: the block's I for activations that are all 1
+    static const uint8_t kOnes[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    const uint8_t* const ones[1] = {kOnes};
+    const FromTile from{t};
+    LanesI c = lanes_zero_i();
+    for (int j = 0; j < 16; ++j)
+      add_scaled_16<1>([&](int u) { return from.q16(j, u); }, ones, from.scale(j), &c);
+    lanes_store_i(t.offsets, c);
+    for (int i = 0; i < kW; ++i) {
+      t.offsets[i] *= 128;
+      t.d[i] = fp16_to_fp32(w[i]->d);
     }
   }
   struct FromTile {
     const Tile& t;
-    LanesI q(int g, int u) const { return lanes_load_i(t.q[g][u]); }  // values 32g + 4u..
+    LanesI q16(int j, int u) const { return lanes_load_i(t.q[0][0] + (4 * j + u) * kW); }
     LanesI scale(int j) const { return lanes_load_i(t.scales[j]); }
-    LanesI scale_pair(int k) const { return lanes_load_i(t.scale_pairs[k]); }
+    LanesI offsets() const { return lanes_load_i(t.offsets); }
     LanesF d() const { return lanes_load_f(t.d); }
   };
   template <int R, typename W>
-  static void add_block(const W& w, const Activation* const* ys, const Act* const* a, int b,
+  static void add_block(const W& w, const Activation* const*, const Act* const* a, int b,
                         LanesF* acc) {
     LanesI sums[R];
     for (int r = 0; r < R; ++r) sums[r] = lanes_zero_i();
     for (int j = 0; j < 16; ++j) {
-      const int8_t* q[R];
-      for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs + 16 * j;
-      add_scaled_16<R>([&](int u) { return w.q(j / 2, 4 * (j % 2) + u); }, q, w.scale(j), sums);
+      const uint8_t* q[R];
+      for (int r = 0; r < R; ++r) q[r] = a[r][b].qs + 16 * j;
+      add_scaled_16<R>([&](int u) { return w.q16(j, u); }, q, w.scale(j), sums);
     }
     const LanesF d = w.d();
-    for (int r = 0; r < R; ++r) {
-      LanesI m = lanes_zero_i();
-      for (int k = 0; k < 8; ++k) m = lanes_madd16(m, w.scale_pair(k), a[r][b].sums[k]);
-      acc[r] = lanes_step(acc[r], d, a[r][b].d, lanes_sub_32x(sums[r], m));
-    }
+    const LanesI offsets = w.offsets();
+    for (int r = 0; r < R; ++r)
+      acc[r] = lanes_step(acc[r], d, a[r][b].d, lanes_sub(sums[r], offsets));
   }
 };
 
