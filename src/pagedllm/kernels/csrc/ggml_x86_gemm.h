@@ -181,21 +181,28 @@ static void rows_dot(int n, const void* weight_row, ActivationRows<Block> ys, in
   }
 }
 
+// Bytes of weight rows one tile of rows_panel holds: read from memory once, then from the
+// L2 cache by every group of activation rows.
+constexpr int64_t kWeightTileBytes = 128 * 1024;
+
 // A panel: `count` weight rows (row_bytes apart) times `rows` activation rows;
-// out[r * out_stride + j] = weight row j . activation row r. Groups of kRowsAtOnce
-// activation rows pass over the weight rows in turn, each weight row used by a group's
-// rows while it is in L1.
+// out[r * out_stride + j] = weight row j . activation row r. Per tile of weight rows,
+// groups of kRowsAtOnce activation rows pass over its rows in turn, each weight row used
+// by a group's rows while it is in L1.
 template <typename Kernel, typename Block>
 static void rows_panel(int n, const uint8_t* weights, int64_t row_bytes, int64_t count,
                        const uint8_t* activations, int64_t activation_stride, int rows,
                        float* out, int64_t out_stride) {
-  for (int g = 0; g < rows; g += kRowsAtOnce) {
-    const int group = std::min(kRowsAtOnce, rows - g);
-    for (int64_t j = 0; j < count; ++j)
-      for (int r = g; r < g + group; r += kRowsPerDot) {
-        const ActivationRows<Block> ys{activations + r * activation_stride, activation_stride};
-        rows_dot<Kernel>(n, weights + j * row_bytes, ys, std::min(kRowsPerDot, g + group - r),
-                         out + r * out_stride + j, out_stride);
-      }
-  }
+  const int64_t tile = std::max<int64_t>(1, kWeightTileBytes / row_bytes);
+  for (int64_t j0 = 0; j0 < count; j0 += tile)
+    for (int g = 0; g < rows; g += kRowsAtOnce) {
+      const int group = std::min(kRowsAtOnce, rows - g);
+      for (int64_t j = j0; j < std::min(count, j0 + tile); ++j)
+        for (int r = g; r < g + group; r += kRowsPerDot) {
+          const ActivationRows<Block> ys{activations + r * activation_stride,
+                                         activation_stride};
+          rows_dot<Kernel>(n, weights + j * row_bytes, ys, std::min(kRowsPerDot, g + group - r),
+                           out + r * out_stride + j, out_stride);
+        }
+    }
 }

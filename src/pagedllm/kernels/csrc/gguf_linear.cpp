@@ -77,10 +77,6 @@ constexpr int64_t kGemmMinRows = PAGEDLLM_GGUF_GEMM_MIN_ROWS;
 #error "PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS must be defined by the build (policy.py)"
 #endif
 constexpr int kInPlaceMaxRows = PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS;
-// Bytes of weight rows one tile of the gemm method holds: read from memory once, then from
-// the L2 cache by every group of input rows.
-constexpr int64_t kWeightTileBytes = 128 * 1024;
-
 struct BlockKernels {
   QuantizeRow quantize;  // nullptr: F16/BF16, the fp32 input is used as it is
   BlockDot dot;
@@ -226,21 +222,15 @@ struct Part {
   bool grouped;  // in the interleaved layout: taken by kernels->grouped, 16 rows at a time
 };
 
-// Output features [lo, hi) of part p: each tile of weight rows is multiplied with every
-// input row while it stays in cache (the panel takes the input rows in groups).
-void multiply_tiles(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t k,
+// Output features [lo, hi) of part p by its panel: one call, so that what a panel makes
+// from the activations alone (an interleaved panel's Act) is made once per thread; the
+// panels that read a weight row once per group of input rows tile the rows themselves
+// (rows_panel).
+void multiply_panel(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t k,
                     int64_t total, float* out) {
-  // Whole groups of 16 rows even where the file's rows are interleaved per call (Q6_K):
-  // a tile of 19 rows would take two groups' work for them.
-  constexpr int64_t G = kInterleavedGroupRows;
-  const int64_t tile = std::max<int64_t>(1, kWeightTileBytes / p.row_bytes / G) * G;
   const RowsPanel panel = p.grouped ? p.kernels->grouped : p.kernels->rows;
-  for (int64_t j0 = lo; j0 < hi; j0 += tile) {
-    const int64_t j1 = std::min(hi, j0 + tile);
-    panel(static_cast<int>(k), p.weight + (j0 - p.first_column) * p.row_bytes, p.row_bytes,
-          j1 - j0, p.activations, p.activation_row_bytes, static_cast<int>(rows), out + j0,
-          total);
-  }
+  panel(static_cast<int>(k), p.weight + (lo - p.first_column) * p.row_bytes, p.row_bytes,
+        hi - lo, p.activations, p.activation_row_bytes, static_cast<int>(rows), out + lo, total);
 }
 
 // Where each thread's run of the `units` output units (of `unit` rows) starts, and the end:
@@ -315,7 +305,7 @@ void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& 
       const int64_t hi = std::min(end, p.first_column + p.rows);
       if (lo >= hi) continue;
       if (p.grouped || use_gemm(*p.kernels, method, rows)) {
-        multiply_tiles(p, lo, hi, rows, k, total, out);
+        multiply_panel(p, lo, hi, rows, k, total, out);
         continue;
       }
       const BlockDot dot = p.kernels->dot;
