@@ -279,7 +279,7 @@ static inline void add_scaled_32(W w, const int8_t* const* q, __m512i sc, __m512
   for (int r = 0; r < R; ++r) acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(s[r], sc));
 }
 // acc[r] += sc * (the sum of 16 products of activation row r, q[r], unsigned, with the
-// interleaved rows' signed dwords w(0..3)); sc: lane_scale of each row's scale
+// interleaved rows' signed dwords w(0..3)); sc: each row's scale (lane_scales_low/high)
 template <int R, typename W>
 static inline void add_scaled_16(W w, const uint8_t* const* q, __m512i sc, __m512i* acc) {
   __m512i v[4];
@@ -291,8 +291,7 @@ static inline void add_scaled_16(W w, const uint8_t* const* q, __m512i sc, __m51
     acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(s, sc));
   }
 }
-static inline int32_t lane_scale(int8_t sc) { return sc; }
-// lane_scale of each lane's low and high 16-bit value
+// The scale in each lane's low or high 16 bits as add_scaled_16 takes it: the int32
 static inline __m512i lane_scales_low(__m512i pairs) {
   return _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16);
 }
@@ -367,9 +366,10 @@ static inline void add_scaled_32(W w, const int8_t* const* q, __m256i sc, __m256
   }
 }
 // acc[r] += sc * (the sum of 16 products of activation row r, q[r], unsigned, with the
-// interleaved rows' signed dwords w(0..3)); sc: lane_scale of each row's scale, a 16-bit
-// pair, so that one vpmaddwd both adds a lane's two 16-bit sums and scales them (each sums
-// 4 products, at most 4 x 255 x 32 = 32640 in size: it fits)
+// interleaved rows' signed dwords w(0..3)); sc: each row's scale (lane_scales_low/high) in
+// both 16-bit halves, so that one vpmaddwd both adds a lane's two 16-bit sums and scales
+// them (each sums 4 products, at most 4 x 255 x 32 = 32640 in size: it fits;
+// tests/test_gguf_q6_k_bounds.py)
 template <int R, typename W>
 static inline void add_scaled_16(W w, const uint8_t* const* q, __m256i sc, __m256i* acc) {
   __m256i v[4];
@@ -384,11 +384,7 @@ static inline void add_scaled_16(W w, const uint8_t* const* q, __m256i sc, __m25
                                                        _mm256_madd_epi16(p[1], sc)));
   }
 }
-static inline int32_t lane_scale(int8_t sc) {
-  const uint32_t half = static_cast<uint16_t>(sc);
-  return static_cast<int32_t>(half | half << 16);
-}
-// lane_scale of each lane's low and high 16-bit value
+// The scale in each lane's low or high 16 bits as add_scaled_16 takes it: in both halves
 static inline __m256i lane_scales_low(__m256i pairs) {
   return _mm256_blend_epi16(pairs, _mm256_slli_epi32(pairs, 16), 0xAA);
 }
@@ -638,7 +634,7 @@ struct InterleavedQ6K {
   };
   struct Tile {
     int32_t q[8][8][kW];  // q_w, signed; per 32 values: dwords 0-3 sub-block 2g, 4-7 2g+1
-    int32_t scales[16][kW];  // lane_scale(sc_j)
+    int32_t scales[16][kW];  // sc_j as add_scaled_16 takes it (lane_scales_low/high)
     int32_t offsets[kW];     // 128 * C
     float d[kW];
   };
