@@ -6,45 +6,36 @@ time to first text and latency."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
-
 from pagedllm.bench.conversations import Conversation, TurnRecord
+from pagedllm.bench.sse_client import REQUEST_ERRORS, LoadClient, load_client
 
 
 async def chat_turn(
-    client: httpx.AsyncClient, body: dict[str, Any], record: TurnRecord
+    client: LoadClient, body: dict[str, Any], record: TurnRecord
 ) -> tuple[TurnRecord, str]:
     """One streamed chat completion: its record and the answer's text."""
     start, text = time.perf_counter(), []
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                record.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async for chunk in client.stream("/v1/chat/completions", body):
+            if "error" in chunk:
+                record.error = chunk["error"].get("message", "error")
                 return record, ""
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    record.error = chunk["error"].get("message", "error")
-                    return record, ""
-                for choice in chunk.get("choices") or ():
-                    piece = (choice.get("delta") or {}).get("content") or ""
-                    if piece and record.ttft_s is None:
-                        record.ttft_s = time.perf_counter() - start
-                    text.append(piece)
-                usage = chunk.get("usage")
-                if usage:
-                    record.prompt_tokens = usage["prompt_tokens"]
-                    record.output_tokens = usage["completion_tokens"]
-                    details = usage.get("prompt_tokens_details") or {}
-                    record.cached_tokens = details.get("cached_tokens") or 0
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+            for choice in chunk.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and record.ttft_s is None:
+                    record.ttft_s = time.perf_counter() - start
+                text.append(piece)
+            usage = chunk.get("usage")
+            if usage:
+                record.prompt_tokens = usage["prompt_tokens"]
+                record.output_tokens = usage["completion_tokens"]
+                details = usage.get("prompt_tokens_details") or {}
+                record.cached_tokens = details.get("cached_tokens") or 0
+    except (*REQUEST_ERRORS, KeyError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     record.latency_s = time.perf_counter() - start
     if not record.error and not record.prompt_tokens:
@@ -62,12 +53,9 @@ async def drive(
 ) -> tuple[list[TurnRecord], float]:
     """Every conversation against the server at `url`, turn after turn, each turn
     resending the conversation so far; the records and the seconds the whole took."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max(100, len(conversations)))
-    async with httpx.AsyncClient(
-        base_url=url, headers=headers, limits=limits, timeout=httpx.Timeout(timeout, connect=30)
-    ) as client:
-        model = (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
+    connections = max(100, len(conversations))
+    async with load_client(url, api_key, connections, timeout) as client:
+        model = await client.first_model()
         gate = asyncio.Semaphore(max_concurrency or len(conversations))
 
         async def converse(conversation: Conversation) -> list[TurnRecord]:
@@ -96,7 +84,6 @@ async def drive(
 async def warm_up(url: str, model: str, requests: int, api_key: str | None = None) -> None:
     """A few short completions sharing no prefix with the chats: each replica's first
     forward passes are not timed."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300) as client:
+    async with load_client(url, api_key, max(100, requests), 300) as client:
         bodies = [{"model": model, "prompt": f"{i} warm", "max_tokens": 2} for i in range(requests)]
-        await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+        await asyncio.gather(*(client.post("/v1/completions", b) for b in bodies))

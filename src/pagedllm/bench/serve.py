@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -21,10 +20,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import httpx
-
 from pagedllm.bench import options
 from pagedllm.bench.output import Plot, cdf, distribution, write_outputs
+from pagedllm.bench.sse_client import REQUEST_ERRORS, LoadClient, load_client
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.errors import InvalidParameterError
 from pagedllm.loader.tokenizer import load_tokenizer
@@ -53,35 +51,29 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     kinds = ["token-ids", "words"]
     p.add_argument("--prompt-kind", choices=kinds, default=kinds[0], help="words: ~1 token each")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    text = "seconds a request may wait for its answer's next bytes"
+    p.add_argument("--timeout", type=float, default=600.0, help=text)
     p.add_argument("--tokenizer", help="model whose tokenizer measures --dataset prompts")
     p.add_argument("--compare-url", help="then send the identical load to this server too")
     text = "with --compare-url: cut the load into this many parts, alternating between servers"
     p.add_argument("--rounds", type=int, default=1, help=text)
 
 
-async def send_one(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
+async def send_one(client: LoadClient, body: dict[str, Any]) -> RequestResult:
     res, start = RequestResult(), time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async for chunk in client.stream("/v1/completions", body):
+            if "error" in chunk:
+                res.error = chunk["error"].get("message", "error")
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"].get("message", "error")
-                    return res
-                usage = chunk.get("usage") or {}
-                res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
-                res.output_tokens = usage.get("completion_tokens", res.output_tokens)
-                if chunk.get("choices"):
-                    res.chunks.append(time.perf_counter() - start)
+            usage = chunk.get("usage") or {}
+            res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+            res.output_tokens = usage.get("completion_tokens", res.output_tokens)
+            if chunk.get("choices"):
+                res.chunks.append(time.perf_counter() - start)
         res.latency = time.perf_counter() - start
         res.error = "" if res.chunks else "no tokens streamed"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except REQUEST_ERRORS as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     return res
 
@@ -90,15 +82,11 @@ async def run_load(
     args: argparse.Namespace, url: str, requests: list[BenchRequest]
 ) -> tuple[list[RequestResult], float, str]:
     """Every request sent at its arrival time; the results, the seconds and the model."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(100, len(requests)))
-    timeout = httpx.Timeout(args.timeout, connect=30.0)
-    async with httpx.AsyncClient(
-        base_url=url, headers=headers, limits=limits, timeout=timeout
-    ) as client:
+    connections = max(100, len(requests))
+    async with load_client(url, args.api_key, connections, args.timeout) as client:
         model = args.model if url == args.url else None
         if model is None:  # the server's first model
-            model = (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
+            model = await client.first_model()
         gate = asyncio.Semaphore(args.max_concurrency or len(requests))
         rng, start = random.Random(args.seed), time.perf_counter()
 
