@@ -58,6 +58,8 @@ def test_decode_bench_rows(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert result.keys() >= COMMON_KEYS
     assert [r["batch"] for r in result["results"]] == [1, 3]
     assert all(r["pagedllm_ms"] > 0 and r["hf_ms"] > 0 for r in result["results"])
+    for r in result["results"]:  # two timed steps: their mean is their median
+        assert r["pagedllm_mean_ms"] == pytest.approx(r["pagedllm_ms"], abs=0.051)
     assert all(0 < r["attention_share"] < 1 for r in result["results"])
     config = result["config"]
     assert config["read_gb_per_s"] > 0 and config["weights_floor_ms"] > 0

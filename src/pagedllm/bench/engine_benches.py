@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from pagedllm.bench.memory_floor import (
     stored_weight_bytes_per_step,
     weight_bytes_per_step,
 )
-from pagedllm.bench.output import Plot, median_seconds, ratio, write_outputs
+from pagedllm.bench.output import Plot, call_seconds, median_seconds, ratio, write_outputs
 from pagedllm.bench.sweep import attention_seconds, engine_over_runner
 from pagedllm.engine.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
@@ -39,7 +40,8 @@ from pagedllm.worker.quantization_choice import resolve_quantization
 ATTENTION_COLUMNS = "phase=phase|batch=batch|context=context|paged_ms=paged ms|contiguous_ms="
 ATTENTION_COLUMNS += "contiguous ms|overhead=paged / contiguous|max_abs_diff=max abs diff"
 CASES = {"decode": ("1,8,32,64", "128,512,2048"), "prefill": ("1,4", "128,512,1024")}
-DECODE_COLUMNS = "tp=TP|batch=batch|pagedllm_ms=pagedllm ms/step|hf_ms=transformers ms/step|"
+DECODE_COLUMNS = "tp=TP|batch=batch|pagedllm_ms=pagedllm ms/step|"
+DECODE_COLUMNS += "pagedllm_mean_ms=pagedllm mean ms|hf_ms=transformers ms/step|"
 DECODE_COLUMNS += "attention_share=attention share|comm_share=communication share|"
 DECODE_COLUMNS += "pagedllm_tok_s=pagedllm tok/s|hf_tok_s=transformers tok/s|speedup=speedup|"
 DECODE_COLUMNS += "of_floor=pagedllm / weights-read floor"
@@ -177,11 +179,22 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[
     return torch.randint(100, vocab_size, (count, length), generator=gen).tolist()
 
 
+@dataclass(frozen=True)
+class DecodeSteps:
+    """Timed decode steps: their median and mean seconds (a served stream's time per
+    output token is a mean, which the median leaves its slow steps out of), and the shares
+    of their wall time spent in attention (the runner times it) and in collectives."""
+
+    median_s: float
+    mean_s: float
+    attention_share: float
+    comm_share: float
+
+
 def decode_step_seconds(
     engine: LLMEngine, runner: RealRunner, prompts: list, steps: int
-) -> tuple[float, float, float]:
-    """Median seconds of a decode step, and the shares of the timed steps' wall time
-    spent in attention (`runner` times it) and in collectives."""
+) -> DecodeSteps:
+    """`steps` decode steps of `prompts`, timed after their prefill."""
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", p, params)
@@ -190,7 +203,7 @@ def decode_step_seconds(
         started.update(out.request_id for out in engine.step())
     before = attention_seconds(runner), runner.comm_seconds
     start = time.perf_counter()
-    seconds, _ = median_seconds(engine.step, steps)
+    times, _ = call_seconds(engine.step, steps)
     # Both parts over the same calls (the warm-up one included): a share below 1 however
     # the calls' times spread.
     wall = time.perf_counter() - start
@@ -198,7 +211,9 @@ def decode_step_seconds(
     comm_share = (runner.comm_seconds - before[1]) / wall
     while engine.has_unfinished_requests():
         engine.step()
-    return seconds, attention_share, comm_share
+    return DecodeSteps(
+        statistics.median(times), statistics.fmean(times), attention_share, comm_share
+    )
 
 
 @torch.inference_mode()
@@ -239,15 +254,15 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     for tp in args.tensor_parallel_size:  # one engine (and its workers) at a time
         engine, runner, _ = engine_for(args, max(batches), True, tensor_parallel_size=tp)
         for batch in batches:
-            ours, attention_share, comm_share = decode_step_seconds(
-                engine, runner, prompts[batch], args.steps
-            )
+            timed = decode_step_seconds(engine, runner, prompts[batch], args.steps)
+            ours = timed.median_s
             row = {"tp": tp, "batch": batch, "pagedllm_ms": round(ours * 1000, 1)}
+            row["pagedllm_mean_ms"] = round(timed.mean_s * 1000, 2)
             row["pagedllm_tok_s"] = round(batch / ours, 1)
             # Layers run as one compiled call each time their attention inside it: untimed.
             fused = getattr(getattr(runner, "model", None), "fused_layers", 0)
-            row["attention_share"] = None if fused else round(attention_share, 3)
-            row["comm_share"] = round(comm_share, 3)
+            row["attention_share"] = None if fused else round(timed.attention_share, 3)
+            row["comm_share"] = round(timed.comm_share, 3)
             row["of_floor"] = round(ours * 1000 / floor_ms, 2)
             if hf is not None:
                 theirs = hf_ms[batch]
@@ -264,8 +279,10 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     }
     if int8:  # which int8 kernels ran, on which instruction set (they set the speed)
         config |= {"int8_isa": int8.pop("isa", "none (pure torch)"), "int8_kernels": int8}
-    note = "median of the timed decode steps after the prefill; pagedllm's step includes "
-    note += "scheduling, sampling and output processing; transformers' is a forward + argmax"
+    note = "ms/step: the median of the timed decode steps after the prefill (mean ms: their "
+    note += "mean, what a served stream's time per output token compares with); pagedllm's "
+    note += "step includes scheduling, sampling and output processing; transformers' is a "
+    note += "forward + argmax"
     notes = [
         note,
         "TP > 1: each rank takes an equal share of the cores; communication share: "

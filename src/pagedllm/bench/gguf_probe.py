@@ -89,7 +89,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     while engine.has_unfinished_requests():
         engine.step()
     ready, ready_wall = time.perf_counter(), time.time()
-    step_s, _, _ = decode_step_seconds(engine, runner, prompts, args.steps)
+    step_s = decode_step_seconds(engine, runner, prompts, args.steps).median_s
     figures = {
         "engine_s": round(built - start, 3),
         "ready_s": round(ready - start, 3),

@@ -45,13 +45,19 @@ def distribution(
     }
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    """The median wall time of `repeats` calls after a warm-up one, and the last result."""
+def call_seconds(fn: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
+    """The wall time of each of `repeats` calls after a warm-up one, and the last result."""
     out, times = fn(), []
     for _ in range(max(repeats, 1)):
         start = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - start)
+    return times, out
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """The median wall time of `repeats` calls after a warm-up one, and the last result."""
+    times, out = call_seconds(fn, repeats)
     return float(np.median(times)), out
 
 
