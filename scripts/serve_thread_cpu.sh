@@ -3,7 +3,8 @@
 # (default 1: 4 requests x 128 tokens; else CONCURRENCY requests x 128), from
 # /proc/PID/task/*/stat (utime + stime), so that the event loop's share per token can be
 # told from the engine's; and the CPU the load generator (`pagedllm bench serve`, on the
-# same cores) spent per token. Engine options come from the arguments (docs/serving.md).
+# same cores) spent per token, as it reports it (client_cpu_ms_per_token). Engine options
+# come from the arguments (docs/serving.md).
 #   [CONCURRENCY=64] scripts/serve_thread_cpu.sh [--quantization int8]
 set -euo pipefail
 PORT=${PORT:-8051}
@@ -25,29 +26,9 @@ LOAD=(--url "http://127.0.0.1:$PORT" --workload fixed --prompt-len 128)
 PROMPTS=$((CONCURRENCY > 1 ? CONCURRENCY : 4))
 TOKENS=$((PROMPTS * 128))
 ticks > /tmp/serve_thread_cpu.before
-# The load generator's own CPU (user + system), less that of a one-token run of it (its
-# start-up: imports, the tokenizer).
-"$BIN/python" - "$TOKENS" "$BIN/pagedllm" bench serve "${LOAD[@]}" --max-concurrency \
-  "$CONCURRENCY" --num-prompts "$PROMPTS" --output-len 128 --seed 1 --out /tmp/serve_thread_cpu \
-  <<'PY'
-import resource, subprocess, sys
-tokens, command = int(sys.argv[1]), sys.argv[2:]
-
-
-def cpu_ms() -> float:
-    used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (used.ru_utime + used.ru_stime) * 1000
-
-
-one = [*command[: command.index("--max-concurrency")], "--max-concurrency", "1", "--num-prompts",
-       "1", "--output-len", "1", "--out", "/tmp/serve_thread_cpu_one"]
-subprocess.run(one, capture_output=True, check=True)
-start = cpu_ms()
-out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-ms = cpu_ms() - 2 * start  # the one-token run's CPU, taken out of the load's
-print("".join(line + "\n" for line in out.splitlines() if line.startswith(("| TPOT", "  output_t"))), end="")
-print(f"load generator {ms:.0f} ms CPU, {ms / tokens:.2f} ms per token")
-PY
+"$BIN/pagedllm" bench serve "${LOAD[@]}" --max-concurrency "$CONCURRENCY" --num-prompts \
+  "$PROMPTS" --output-len 128 --seed 1 --out /tmp/serve_thread_cpu \
+  | grep -E "^\| TPOT|^  (output_throughput|client_cpu_ms_per_token):"
 ticks > /tmp/serve_thread_cpu.after
 HZ=$(getconf CLK_TCK)
 join /tmp/serve_thread_cpu.before /tmp/serve_thread_cpu.after | awk -v hz="$HZ" -v n="$TOKENS" \

@@ -158,6 +158,7 @@ def test_serve_bench_against_a_live_server(tmp_path: Path, capsys) -> None:
         assert result["summary"]["completed"] == 6 and result["summary"]["failed"] == 0
         assert result["summary"]["total_input_tokens"] == 6 * 12
         assert result["summary"]["total_output_tokens"] == 6 * 5
+        assert result["summary"]["client_cpu_ms_per_token"] > 0
         assert [r["metric"] for r in result["results"]] == ["TTFT", "TPOT", "ITL", "E2EL"]
         assert (out / "serve.md").is_file() and (out / "serve_latency_cdf.png").is_file()
         assert main([*argv, "--max-concurrency", "2"]) == 0
@@ -165,6 +166,7 @@ def test_serve_bench_against_a_live_server(tmp_path: Path, capsys) -> None:
         assert main([*argv, "--max-concurrency", "3", "--compare-url", server.url]) == 0
         result = json.loads((out / "serve.json").read_text())
         assert result["compared"]["summary"]["completed"] == 6
+        assert result["compared"]["summary"]["client_cpu_ms_per_token"] > 0
         rows = {r["metric"]: r for r in result["results"]}
         assert rows["output tok/s"]["ours"] > 0 and rows["output tok/s"]["ratio"] > 0
         assert {"TTFT mean ms", "TPOT p99 ms", "ITL median ms"} <= rows.keys()

@@ -78,17 +78,33 @@ async def send_one(client: LoadClient, body: dict[str, Any]) -> RequestResult:
     return res
 
 
-async def run_load(
-    args: argparse.Namespace, url: str, requests: list[BenchRequest]
-) -> tuple[list[RequestResult], float, str]:
-    """Every request sent at its arrival time; the results, the seconds and the model."""
+@dataclass
+class LoadRun:
+    """A load against one server (or parts of it, added up): each request's result, the
+    wall seconds, the load generator's own CPU seconds (all its threads: on the server's
+    cores it is CPU taken from the server), and the model the requests named."""
+
+    results: list[RequestResult] = field(default_factory=list)
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    model: str = ""
+
+    def add(self, other: LoadRun) -> None:
+        self.results.extend(other.results)
+        self.seconds += other.seconds
+        self.cpu_seconds += other.cpu_seconds
+        self.model = other.model
+
+
+async def run_load(args: argparse.Namespace, url: str, requests: list[BenchRequest]) -> LoadRun:
+    """Every request sent at its arrival time."""
     connections = max(100, len(requests))
     async with load_client(url, args.api_key, connections, args.timeout) as client:
         model = args.model if url == args.url else None
         if model is None:  # the server's first model
             model = await client.first_model()
         gate = asyncio.Semaphore(args.max_concurrency or len(requests))
-        rng, start = random.Random(args.seed), time.perf_counter()
+        rng, start, cpu = random.Random(args.seed), time.perf_counter(), time.process_time()
 
         async def one(r: BenchRequest) -> RequestResult:
             # The server's vocabulary is unknown here: ids move into TOKEN_ID_RANGE.
@@ -104,12 +120,13 @@ async def run_load(
                 return await send_one(client, body)
 
         results = await asyncio.gather(*map(one, requests))
-        return results, time.perf_counter() - start, model
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        return LoadRun(list(results), seconds, cpu_seconds, model)
 
 
 def measure(args: argparse.Namespace, url: str, requests: list[BenchRequest]) -> dict[str, Any]:
     """One server's figures under the load: a summary, latency rows, errors, requests."""
-    return summarize(url, *asyncio.run(run_load(args, url, requests)))
+    return summarize(url, asyncio.run(run_load(args, url, requests)))
 
 
 def alternate(
@@ -120,27 +137,26 @@ def alternate(
     all their parts."""
     size = -(-len(requests) // args.rounds)
     urls = (args.url, args.compare_url)
-    results: tuple[list[RequestResult], ...] = ([], [])
-    seconds, models = [0.0, 0.0], ["", ""]
+    runs = (LoadRun(), LoadRun())
     for first in range(0, len(requests), size):
         part = requests[first : first + size]
         part = [replace(r, arrival_time=r.arrival_time - part[0].arrival_time) for r in part]
         for side, url in enumerate(urls):
-            got, took, models[side] = asyncio.run(run_load(args, url, part))
-            results[side].extend(got)
-            seconds[side] += took
-    ours, theirs = (summarize(urls[i], results[i], seconds[i], models[i]) for i in (0, 1))
-    return ours, theirs
+            runs[side].add(asyncio.run(run_load(args, url, part)))
+    return summarize(urls[0], runs[0]), summarize(urls[1], runs[1])
 
 
-def summarize(url: str, results: list[RequestResult], seconds: float, model: str) -> dict[str, Any]:
-    """The figures of `results`, which took `seconds` in all."""
+def summarize(url: str, run: LoadRun) -> dict[str, Any]:
+    """The figures of a load's results."""
+    results, seconds = run.results, run.seconds
     ok = [r for r in results if not r.error]
     inputs, outputs = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
-    summary = {"url": url, "model": model, "completed": len(ok), "failed": len(results) - len(ok)}
-    summary |= {"duration_s": seconds, "total_input_tokens": inputs, "total_output_tokens": outputs}
+    summary = {"url": url, "model": run.model, "completed": len(ok)}
+    summary |= {"failed": len(results) - len(ok), "duration_s": seconds}
+    summary |= {"total_input_tokens": inputs, "total_output_tokens": outputs}
     rates = {"request": len(ok), "output": outputs, "total_token": inputs + outputs}
     summary |= {f"{k}_throughput": v / seconds for k, v in rates.items()}
+    summary["client_cpu_ms_per_token"] = 1000 * run.cpu_seconds / outputs if outputs else None
     tpot = [(r.latency - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     times = {"TTFT": [r.chunks[0] for r in ok], "TPOT": tpot}
     times["ITL"] = [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
@@ -198,7 +214,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["requests"] = [asdict(r) for r in ours["results"]]
     result["notes"].append(
         f"prompts: {args.prompt_kind}; TTFT from sending to the first streamed chunk; TPOT = "
-        "(E2EL - TTFT) / (output tokens - 1); ITL: gaps between streamed chunks"
+        "(E2EL - TTFT) / (output tokens - 1); ITL: gaps between streamed chunks; "
+        "client_cpu_ms_per_token: this load generator's own CPU (all its threads) per output "
+        "token, which on the server's cores is taken from the server"
     )
     curves = {"TTFT": cdf(ours["times"]["TTFT"]), "E2EL": cdf(ours["times"]["E2EL"])}
     columns = "metric=metric|mean_ms=mean|median_ms=median|p99_ms=p99 (ms)"
