@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from contextlib import aclosing
 from typing import Any
 
 from pagedllm.bench.conversations import Conversation, TurnRecord
@@ -20,21 +21,22 @@ async def chat_turn(
     """One streamed chat completion: its record and the answer's text."""
     start, text = time.perf_counter(), []
     try:
-        async for chunk in client.stream("/v1/chat/completions", body):
-            if "error" in chunk:
-                record.error = chunk["error"].get("message", "error")
-                return record, ""
-            for choice in chunk.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and record.ttft_s is None:
-                    record.ttft_s = time.perf_counter() - start
-                text.append(piece)
-            usage = chunk.get("usage")
-            if usage:
-                record.prompt_tokens = usage["prompt_tokens"]
-                record.output_tokens = usage["completion_tokens"]
-                details = usage.get("prompt_tokens_details") or {}
-                record.cached_tokens = details.get("cached_tokens") or 0
+        async with aclosing(client.stream("/v1/chat/completions", body)) as chunks:
+            async for chunk in chunks:
+                if "error" in chunk:
+                    record.error = chunk["error"].get("message", "error")
+                    return record, ""
+                for choice in chunk.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece and record.ttft_s is None:
+                        record.ttft_s = time.perf_counter() - start
+                    text.append(piece)
+                usage = chunk.get("usage")
+                if usage:
+                    record.prompt_tokens = usage["prompt_tokens"]
+                    record.output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    record.cached_tokens = details.get("cached_tokens") or 0
     except (*REQUEST_ERRORS, KeyError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     record.latency_s = time.perf_counter() - start

@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -62,15 +63,16 @@ def add_parser(sub: Any) -> None:
 async def send_one(client: LoadClient, body: dict[str, Any]) -> RequestResult:
     res, start = RequestResult(), time.perf_counter()
     try:
-        async for chunk in client.stream("/v1/completions", body):
-            if "error" in chunk:
-                res.error = chunk["error"].get("message", "error")
-                return res
-            usage = chunk.get("usage") or {}
-            res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
-            res.output_tokens = usage.get("completion_tokens", res.output_tokens)
-            if chunk.get("choices"):
-                res.chunks.append(time.perf_counter() - start)
+        async with aclosing(client.stream("/v1/completions", body)) as chunks:
+            async for chunk in chunks:
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                usage = chunk.get("usage") or {}
+                res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+                res.output_tokens = usage.get("completion_tokens", res.output_tokens)
+                if chunk.get("choices"):
+                    res.chunks.append(time.perf_counter() - start)
         res.latency = time.perf_counter() - start
         res.error = "" if res.chunks else "no tokens streamed"
     except REQUEST_ERRORS as exc:

@@ -45,7 +45,8 @@ class LoadClient:
             await r.read()
 
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The JSON of each `data:` event of a streamed answer, as it comes, up to `[DONE]`."""
+        """The JSON of each `data:` event of a streamed answer, as it comes, up to `[DONE]`
+        (callers that may stop early close it: `contextlib.aclosing`)."""
         async with self._session.post(f"{self._url}{path}", json=body) as r:
             if r.status != 200:
                 raise ServerStatusError(r.status, await r.read())
