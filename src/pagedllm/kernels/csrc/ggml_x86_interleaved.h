@@ -241,42 +241,46 @@ static inline void interleave_values(Values values, int32_t* tile) {
 #endif
 constexpr int kW = kInterleavedRows;
 
-// The sums of 32 products of R activation rows with kW interleaved weight rows (w(t): their
-// dword t, t < 8; q[r]: the row's 32 activation values), one int32 lane per weight row.
+// The sums of 32 products of R activation rows with H sources of kW interleaved weight rows
+// each (w(h, t): source h's dword t, t < 8; q[r]: the row's 32 activation values), one
+// int32 lane per weight row: s[h][r].
 #ifdef PAGEDLLM_GGML_VNNI
 using LanesI = __m512i;
 using LanesF = __m512;
-template <int R, typename W>
-static inline void sums_32(W w, const int8_t* const* q, LanesI* s) {
+template <int R, int H, typename W>
+static inline void sums_32(W w, const int8_t* const* q, LanesI (*s)[R]) {
+  static_assert(H == 1, "a source holds a whole group of rows in this build");
   if constexpr (R >= 8) {  // R chains hide vpdpbusd's latency without a second set
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) s[0][r] = _mm512_setzero_si512();
     for (int t = 0; t < 8; ++t) {
-      const __m512i wt = w(t);
+      const __m512i wt = w(0, t);
       for (int r = 0; r < R; ++r) {
         const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
-        s[r] = _mm512_dpbusd_epi32(s[r], wt, _mm512_set1_epi32(a[t]));
+        s[0][r] = _mm512_dpbusd_epi32(s[0][r], wt, _mm512_set1_epi32(a[t]));
       }
     }
     return;
   }
   __m512i s1[R];
-  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512(), s1[r] = _mm512_setzero_si512();
+  for (int r = 0; r < R; ++r) s[0][r] = _mm512_setzero_si512(), s1[r] = _mm512_setzero_si512();
   for (int t = 0; t < 8; t += 2) {
-    const __m512i w0 = w(t), w1 = w(t + 1);
+    const __m512i w0 = w(0, t), w1 = w(0, t + 1);
     for (int r = 0; r < R; ++r) {
       const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
-      s[r] = _mm512_dpbusd_epi32(s[r], w0, _mm512_set1_epi32(a[t]));
+      s[0][r] = _mm512_dpbusd_epi32(s[0][r], w0, _mm512_set1_epi32(a[t]));
       s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(a[t + 1]));
     }
   }
-  for (int r = 0; r < R; ++r) s[r] = _mm512_add_epi32(s[r], s1[r]);
+  for (int r = 0; r < R; ++r) s[0][r] = _mm512_add_epi32(s[0][r], s1[r]);
 }
-// acc[r] += sc * (sums_32 of activation row r); sc: each weight row's scale
-template <int R, typename W>
-static inline void add_scaled_32(W w, const int8_t* const* q, __m512i sc, __m512i* acc) {
-  __m512i s[R];
-  sums_32<R>(w, q, s);
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(s[r], sc));
+// acc[0][r] += sc(0) * (sums_32 of activation row r); sc(0): each weight row's scale
+template <int R, int H, typename W, typename S>
+static inline void add_scaled_32(W w, const int8_t* const* q, S sc, __m512i (*acc)[R]) {
+  __m512i s[H][R];
+  sums_32<R, H>(w, q, s);
+  const __m512i scale = sc(0);
+  for (int r = 0; r < R; ++r)
+    acc[0][r] = _mm512_add_epi32(acc[0][r], _mm512_mullo_epi32(s[0][r], scale));
 }
 // acc[r] += sc * (the sum of 16 products of activation row r, q[r], unsigned, with the
 // interleaved rows' signed dwords w(0..3)); sc: each row's scale (lane_scales_low/high)
@@ -327,42 +331,54 @@ using LanesF = __m256;
 // Each row's sum is two chains, the even and the odd dwords', added at the end: one chain
 // of 8 dependent additions ran slower, and GCC's own tree of them held all 32 products of
 // 4 rows at once and spilled them; the empty asm keeps the two chains as written
-// (docs/kernels.md, "Two chains per row"). Integer additions: the same sums.
-template <int R, typename W>
-static inline void pair_sums_32(W w, const int8_t* const* q, __m256i* p) {
-  __m256i half[2][R];
+// (docs/kernels.md, "Two chains per row"). Integer additions: the same sums. Each activation
+// value is broadcast once for all H sources.
+template <int R, int H, typename W>
+static inline void pair_sums_32(W w, const int8_t* const* q, __m256i (*p)[R]) {
+  __m256i half[2][H][R];
   for (int c = 0; c < 2; ++c)
-    for (int r = 0; r < R; ++r) half[c][r] = _mm256_setzero_si256();
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < R; ++r) half[c][h][r] = _mm256_setzero_si256();
   for (int t = 0; t < 8; ++t) {
-    const __m256i wt = w(t);
+    __m256i wt[H];
+    for (int h = 0; h < H; ++h) wt[h] = w(h, t);
     for (int r = 0; r < R; ++r) {
-      const int32_t* a = reinterpret_cast<const int32_t*>(q[r]);
-      __m256i& h = half[t % 2][r];
-      h = _mm256_add_epi16(h, _mm256_maddubs_epi16(wt, _mm256_set1_epi32(a[t])));
-      asm("" : "+x"(h));
+      const __m256i at = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(q[r])[t]);
+      for (int h = 0; h < H; ++h) {
+        __m256i& c = half[t % 2][h][r];
+        c = _mm256_add_epi16(c, _mm256_maddubs_epi16(wt[h], at));
+        asm("" : "+x"(c));
+      }
     }
   }
-  for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(half[0][r], half[1][r]);
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < R; ++r) p[h][r] = _mm256_add_epi16(half[0][h][r], half[1][h][r]);
 }
-template <int R, typename W>
-static inline void sums_32(W w, const int8_t* const* q, LanesI* s) {
-  __m256i p[R];
-  pair_sums_32<R>(w, q, p);
-  for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(p[r], _mm256_set1_epi16(1));
+template <int R, int H, typename W>
+static inline void sums_32(W w, const int8_t* const* q, LanesI (*s)[R]) {
+  __m256i p[H][R];
+  pair_sums_32<R, H>(w, q, p);
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < R; ++r) s[h][r] = _mm256_madd_epi16(p[h][r], _mm256_set1_epi16(1));
 }
-// acc[r] += sc * (sums_32 of activation row r); sc: each weight row's scale (0..63). For
-// several rows the scale is made a 16-bit pair once, so that one vpmaddwd per row both adds
-// its pair sums and scales them (30720 x 63 x 2 fits), in place of a vpmaddwd and a vpmulld.
-template <int R, typename W>
-static inline void add_scaled_32(W w, const int8_t* const* q, __m256i sc, __m256i* acc) {
-  __m256i p[R];
-  pair_sums_32<R>(w, q, p);
-  if constexpr (R == 1) {
-    const __m256i s = _mm256_madd_epi16(p[0], _mm256_set1_epi16(1));
-    acc[0] = _mm256_add_epi32(acc[0], _mm256_mullo_epi32(s, sc));
-  } else {
-    const __m256i pair = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p[r], pair));
+// acc[h][r] += sc(h) * (sums_32 of activation row r); sc(h): each weight row's scale (0..63),
+// made after the sums, so that it holds no register while they are. For several rows the
+// scale is made a 16-bit pair once, so that one vpmaddwd per row both adds its pair sums and
+// scales them (30720 x 63 x 2 fits), in place of a vpmaddwd and a vpmulld.
+template <int R, int H, typename W, typename S>
+static inline void add_scaled_32(W w, const int8_t* const* q, S sc, __m256i (*acc)[R]) {
+  __m256i p[H][R];
+  pair_sums_32<R, H>(w, q, p);
+  for (int h = 0; h < H; ++h) {
+    const __m256i scale = sc(h);
+    if constexpr (R == 1) {
+      const __m256i s = _mm256_madd_epi16(p[h][0], _mm256_set1_epi16(1));
+      acc[h][0] = _mm256_add_epi32(acc[h][0], _mm256_mullo_epi32(s, scale));
+    } else {
+      const __m256i pair = _mm256_or_si256(scale, _mm256_slli_epi32(scale, 16));
+      for (int r = 0; r < R; ++r)
+        acc[h][r] = _mm256_add_epi32(acc[h][r], _mm256_madd_epi16(p[h][r], pair));
+    }
   }
 }
 // acc[r] += sc * (the sum of 16 products of activation row r, q[r], unsigned, with the
@@ -420,6 +436,26 @@ static inline LanesF load_halves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
+
+// f(0), .., f(N - 1): unrolled, each index an integral_constant (shifts and offsets made of
+// it are then known when compiled), or a plain loop
+template <int N, bool unrolled, typename F, int... I>
+static inline void for_each_index(F f, std::integer_sequence<int, I...> = {}) {
+  if constexpr (!unrolled)
+    for (int i = 0; i < N; ++i) f(i);
+  else if constexpr (sizeof...(I) < N)
+    for_each_index<N, true>(f, std::make_integer_sequence<int, N>{});
+  else
+    (f(std::integral_constant<int, I>{}), ...);
+}
+// {f(0), .., f(N - 1)}
+template <int N, typename F, int... I>
+static inline auto array_of(F f, std::integer_sequence<int, I...> = {}) {
+  if constexpr (sizeof...(I) < N)
+    return array_of<N>(f, std::make_integer_sequence<int, N>{});
+  else
+    return std::array<decltype(f(0)), N>{f(I)...};
+}
 
 // The interleaved layout's units (gguf_interleaved_layout.h) as kW int32 lanes, lane i from
 // row i: plain vectors, so that shifts and masks read as arithmetic in both builds.
@@ -491,18 +527,20 @@ struct InterleavedQ4_1 {
     lanes_store(t.d, w.d(), kW);
     lanes_store(t.m, w.m(), kW);
   }
-  // acc[r] += activation row r's block b (ys[r][b], a[r][b]) times the source's rows
-  template <int R, typename W>
-  static void add_block(const W& w, const Activation* const* ys, const Act* const* a, int b,
-                        LanesF* acc) {
+  // acc[h][r] += activation row r's block b (ys[r][b], a[r][b]) times source h's rows
+  template <int R, int H, typename W>
+  static void add_block(const W* w, const Activation* const* ys, const Act* const* a, int b,
+                        LanesF (*acc)[R]) {
     const int8_t* q[R];
     for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs;
-    LanesI s[R];
-    sums_32<R>([&](int u) { return w.q(u); }, q, s);
-    const LanesF d = w.d(), m = w.m();
-    for (int r = 0; r < R; ++r) {
-      acc[r] = lanes_step(acc[r], d, a[r][b].d, s[r]);
-      acc[r] = lanes_fma(acc[r], m, a[r][b].d_sum);
+    LanesI s[H][R];
+    sums_32<R, H>([&](int h, int u) { return w[h].q(u); }, q, s);
+    for (int h = 0; h < H; ++h) {
+      const LanesF d = w[h].d(), m = w[h].m();
+      for (int r = 0; r < R; ++r) {
+        acc[h][r] = lanes_step(acc[h][r], d, a[r][b].d, s[h][r]);
+        acc[h][r] = lanes_fma(acc[h][r], m, a[r][b].d_sum);
+      }
     }
   }
 };
@@ -603,22 +641,29 @@ struct InterleavedQ4K {
     lanes_store(t.d, w.d(), kW);
     lanes_store(t.dmin, w.dmin(), kW);
   }
-  template <int R, typename W>
-  static void add_block(const W& w, const Activation* const* ys, const Act* const* a, int b,
-                        LanesF* acc) {
-    LanesI sums[R];
-    for (int r = 0; r < R; ++r) sums[r] = lanes_zero_i();
-    for (int j = 0; j < 8; ++j) {
+  template <int R, int H, typename W>
+  static void add_block(const W* w, const Activation* const* ys, const Act* const* a, int b,
+                        LanesF (*acc)[R]) {
+    LanesI sums[H][R];
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < R; ++r) sums[h][r] = lanes_zero_i();
+    // Sub-block j known when compiled, its nibble shift and scale field constants (faster at
+    // 1-4 activation rows, docs/kernels.md "Sub-blocks known when compiled"); the VNNI
+    // build's 8-row passes keep a loop, unrolled they ran a few percent slower.
+    for_each_index<8, (R < 8)>([&](auto j) {
       const int8_t* q[R];
       for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs + 32 * j;
-      add_scaled_32<R>([&](int u) { return w.q(j, u); }, q, w.scale(j), sums);
-    }
-    const LanesF d = w.d(), dmin = w.dmin();
-    for (int r = 0; r < R; ++r) {
-      LanesI m = lanes_zero_i();
-      for (int k = 0; k < 4; ++k) m = lanes_madd16(m, w.mins(k), a[r][b].sums[k]);
-      acc[r] = lanes_step(acc[r], d, a[r][b].d, sums[r]);
-      acc[r] = lanes_step(acc[r], dmin, a[r][b].d, lanes_neg(m));
+      add_scaled_32<R, H>([&](int h, int u) { return w[h].q(j, u); }, q,
+                          [&](int h) { return w[h].scale(j); }, sums);
+    });
+    for (int h = 0; h < H; ++h) {
+      const LanesF d = w[h].d(), dmin = w[h].dmin();
+      for (int r = 0; r < R; ++r) {
+        LanesI m = lanes_zero_i();
+        for (int k = 0; k < 4; ++k) m = lanes_madd16(m, w[h].mins(k), a[r][b].sums[k]);
+        acc[h][r] = lanes_step(acc[h][r], d, a[r][b].d, sums[h][r]);
+        acc[h][r] = lanes_step(acc[h][r], dmin, a[r][b].d, lanes_neg(m));
+      }
     }
   }
 };
@@ -692,33 +737,42 @@ struct InterleavedQ6K {
     LanesI offsets() const { return lanes_load_i(t.offsets); }
     LanesF d() const { return lanes_load_f(t.d); }
   };
-  template <int R, typename W>
-  static void add_block(const W& w, const Activation* const*, const Act* const* a, int b,
-                        LanesF* acc) {
+  template <int R, int H, typename W>
+  static void add_block(const W* w, const Activation* const*, const Act* const* a, int b,
+                        LanesF (*acc)[R]) {
+    static_assert(H == 1, "Q6_K's panels are tiles, one source at a time");
     LanesI sums[R];
     for (int r = 0; r < R; ++r) sums[r] = lanes_zero_i();
     for (int j = 0; j < 16; ++j) {
       const uint8_t* q[R];
       for (int r = 0; r < R; ++r) q[r] = a[r][b].qs + 16 * j;
-      add_scaled_16<R>([&](int u) { return w.q16(j, u); }, q, w.scale(j), sums);
+      add_scaled_16<R>([&](int u) { return w->q16(j, u); }, q, w->scale(j), sums);
     }
-    const LanesF d = w.d();
-    const LanesI offsets = w.offsets();
+    const LanesF d = w->d();
+    const LanesI offsets = w->offsets();
     for (int r = 0; r < R; ++r)
-      acc[r] = lanes_step(acc[r], d, a[r][b].d, lanes_sub(sums[r], offsets));
+      acc[0][r] = lanes_step(acc[0][r], d, a[r][b].d, lanes_sub(sums[r], offsets));
   }
 };
 
 // R activation rows through H x kW weight rows (source(b, h): block b's source for rows
-// h * kW..); the first `here` outputs of each stored at out[r].
+// h * kW..); the first `here` outputs of each stored at out[r]. Flattened: in this large
+// file GCC left add_block and its per-sub-block lambdas as calls, their vectors passed
+// through memory (the AVX2 build's 64-row products at 0.4x their speed).
 template <typename Kind, int R, int H, typename Source>
-static void interleaved_rows(int nb, Source source, const typename Kind::Activation* const* ys,
+__attribute__((flatten)) static void interleaved_rows(int nb, Source source, const typename Kind::Activation* const* ys,
                              const typename Kind::Act* const* a, float* const* out, int here) {
   LanesF acc[H][R];
   for (int h = 0; h < H; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = lanes_zero_f();
+  // One activation row takes a block's H sources at once, each activation value broadcast
+  // once for all of them; more rows take one at a time, their sums filling the registers.
+  constexpr int at_once = R == 1 ? H : 1;
   for (int b = 0; b < nb; ++b)
-    for (int h = 0; h < H; ++h) Kind::template add_block<R>(source(b, h), ys, a, b, acc[h]);
+    for (int h = 0; h < H; h += at_once) {
+      const auto w = array_of<at_once>([&](int i) { return source(b, h + i); });
+      Kind::template add_block<R, at_once>(w.data(), ys, a, b, acc + h);
+    }
   for (int h = 0; h < H && h * kW < here; ++h)
     for (int r = 0; r < R; ++r)
       lanes_store(out[r] + h * kW, acc[h][r], std::min(kW, here - h * kW));
