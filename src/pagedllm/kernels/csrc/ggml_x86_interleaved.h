@@ -477,7 +477,9 @@ static inline const uint8_t* unit_at(const uint8_t* rows, int u, int unit) {
 // Each kind reads a block of kW weight rows through a source: FromTile, a Tile the panel
 // interleaved from the file's rows for this call, or (Q4_1, Q4_K) FromGroup, the rows
 // lo..lo+kW-1 of a group's block in the interleaved layout (p: the block), read in place.
-// add_block's arithmetic is the same for both, so are the bits.
+// add_block's arithmetic is the same for both, so are the bits. add_block<R, H> takes H
+// sources (H > 1: the halves of a group's block, one activation row) and their
+// accumulators acc[h][r].
 struct InterleavedQ4_1 {
   static constexpr int kBlock = QK4_1;
   // Activation rows per pass of a weight tile. Q4_1's float steps per 32 values leave

@@ -235,33 +235,21 @@ void multiply_panel(const Part& p, int64_t lo, int64_t hi, int64_t rows, int64_t
         hi - lo, p.activations, p.activation_row_bytes, static_cast<int>(rows), out + lo, total);
 }
 
-// Where each thread's run of the `units` output units (of `unit` rows) starts, and the end:
-// as many threads as torch has, but at least `grain` units each, every run holding an equal
-// share of the weights' bytes rather than of their rows. A fused q/k/v can mix Q4_K's q and
-// k with Q6_K's v, whose rows are 1.46x longer: split by rows, the thread with the v rows
-// read 30% more and the other waited for it.
-std::vector<int64_t> thread_shares(const std::vector<Part>& parts, int64_t units, int64_t unit,
-                                   int64_t grain) {
-  const int64_t threads =
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain));
-  int64_t bytes = 0;
-  for (const Part& p : parts) bytes += p.rows * p.row_bytes;
-  std::vector<int64_t> first{0};
-  int64_t done = 0;  // bytes of the units before the current part's
-  for (const Part& p : parts) {
-    const int64_t per_unit = unit * p.row_bytes, p_units = p.rows / unit;
-    const int64_t p_first = p.first_column / unit;
-    // Every thread boundary inside this part: the first unit at or past t / threads of the bytes.
-    while (static_cast<int64_t>(first.size()) < threads) {
-      const int64_t target = bytes * static_cast<int64_t>(first.size()) / threads;
-      if (target >= done + p_units * per_unit) break;
-      first.push_back(p_first + std::max<int64_t>(0, (target - done + per_unit - 1) / per_unit));
-    }
-    done += p_units * per_unit;
-  }
-  while (static_cast<int64_t>(first.size()) < threads) first.push_back(units);
-  first.push_back(units);
-  return first;
+// How many threads share `units` output units: as many as torch has, but at least `grain`
+// units each. Thread t of n takes rows [t / n, (t + 1) / n) of every part, in whole units
+// (part_share), so each thread has the same mix of block types: a fused q/k/v can mix Q4_K's
+// q and k with Q6_K's v, whose rows are 1.46x longer and cost more arithmetic per byte.
+// Split by rows across the parts, the thread with the v rows read 30% more; split by bytes,
+// it still finished last (docs/kernels.md, "GGUF block kernels").
+int64_t share_threads(int64_t units, int64_t grain) {
+  const int64_t most = (units + grain - 1) / grain;
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), most));
+}
+// Thread t's output features [lo, hi) of part p.
+std::pair<int64_t, int64_t> part_share(const Part& p, int64_t unit, int64_t t, int64_t threads) {
+  const int64_t units = p.rows / unit;
+  return {p.first_column + units * t / threads * unit,
+          p.first_column + units * (t + 1) / threads * unit};
 }
 
 // x [rows, k] @ the parts' rows^T, stacked, into out [rows, sum of the parts' rows]: the
@@ -297,14 +285,11 @@ void multiply_parts(const float* x, int64_t rows, int64_t k, std::vector<Part>& 
                       "rows in groups of ", unit, "; a part has ", p.rows);
   // Each weight row is read once and used for every input row while it is in cache.
   const int64_t grain = std::max<int64_t>(1, 16384 / widest_row / unit);
-  const std::vector<int64_t> first = thread_shares(parts, total / unit, unit, grain);
-  const int64_t threads = static_cast<int64_t>(first.size()) - 1;
+  const int64_t threads = share_threads(total / unit, grain);
   at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t end_thread) {
    for (int64_t t = first_thread; t < end_thread; ++t) {
-    const int64_t begin = first[t] * unit, end = first[t + 1] * unit;
     for (const Part& p : parts) {
-      const int64_t lo = std::max(begin, p.first_column);
-      const int64_t hi = std::min(end, p.first_column + p.rows);
+      const auto [lo, hi] = part_share(p, unit, t, threads);
       if (lo >= hi) continue;
       if (p.grouped || use_gemm(*p.kernels, method, rows)) {
         multiply_panel(p, lo, hi, rows, k, total, out);
