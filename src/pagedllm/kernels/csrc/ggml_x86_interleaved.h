@@ -762,8 +762,10 @@ struct InterleavedQ6K {
 // file GCC left add_block and its per-sub-block lambdas as calls, their vectors passed
 // through memory (the AVX2 build's 64-row products at 0.4x their speed).
 template <typename Kind, int R, int H, typename Source>
-__attribute__((flatten)) static void interleaved_rows(int nb, Source source, const typename Kind::Activation* const* ys,
-                             const typename Kind::Act* const* a, float* const* out, int here) {
+__attribute__((flatten)) static void interleaved_rows(int nb, Source source,
+                                                      const typename Kind::Activation* const* ys,
+                                                      const typename Kind::Act* const* a,
+                                                      float* const* out, int here) {
   LanesF acc[H][R];
   for (int h = 0; h < H; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = lanes_zero_f();
