@@ -22,12 +22,18 @@ from pagedllm.kernels.gguf_blocks import block_geometry, gguf_linear
 OUT, IN = 2048, 8192
 
 
-def random_q4_k(out: int, k: int) -> torch.Tensor:
-    values, size = block_geometry(GGMLQuantizationType.Q4_K)
+# Where each type's fp16 scales lie in its block (Q4_K: d and dmin first; Q6_K: d last).
+FP16_FIELDS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q6_K: (208, 1)}
+
+
+def random_blocks(kind: GGMLQuantizationType, out: int, k: int) -> torch.Tensor:
+    """Random bytes as [out, k] weights of a K-quant, with small finite fp16 scales."""
+    values, size = block_geometry(kind)
+    start, count = FP16_FIELDS[kind]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, (out, k // values, size), dtype=np.uint8)
-    scales = rng.uniform(0.001, 0.02, (out, k // values, 2)).astype(np.float16)
-    raw[:, :, 0:4] = scales.view(np.uint8)  # d and dmin: small finite fp16
+    scales = rng.uniform(0.001, 0.02, (out, k // values, count)).astype(np.float16)
+    raw[:, :, start : start + 2 * count] = scales.view(np.uint8)
     return torch.from_numpy(raw.reshape(out, -1))
 
 
@@ -36,7 +42,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rows", type=int, default=1)
     args = parser.parse_args()
-    weight = random_q4_k(OUT, IN)
+    weight = random_blocks(GGMLQuantizationType.Q4_K, OUT, IN)
     dense = torch.randn(OUT, IN)
     x = torch.randn(args.rows, IN)
     cases = {"q4_k avx2": lambda: gguf_linear(x, weight, GGMLQuantizationType.Q4_K, OUT, "avx2")}

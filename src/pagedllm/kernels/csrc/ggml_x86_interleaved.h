@@ -31,6 +31,18 @@
 #error "PAGEDLLM_GGUF_Q4_K/Q6_K_INTERLEAVED_MIN_ROWS must be defined by the build (policy.py)"
 #endif
 
+// f(0), .., f(N - 1): unrolled, each index an integral_constant (shifts and offsets made of
+// it are then known when compiled), or a plain loop
+template <int N, bool unrolled, typename F, int... I>
+static inline void for_each_index(F f, std::integer_sequence<int, I...> = {}) {
+  if constexpr (!unrolled)
+    for (int i = 0; i < N; ++i) f(i);
+  else if constexpr (sizeof...(I) < N)
+    for_each_index<N, true>(f, std::make_integer_sequence<int, N>{});
+  else
+    (f(std::integral_constant<int, I>{}), ...);
+}
+
 // The sum of an int32 vector's lanes (hsum_i32_8 is ggml's).
 static inline int32_t hsum_i32_4(__m128i s) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -114,17 +126,21 @@ static float dot_q4_K(int n, const void* vx, const void* vy) {
 
 // Values 32g..32g+31 of a Q6_K block as unsigned 6-bit bytes (q + 32): the low 4 bits
 // from ql (bytes 64h + 32(c%2).., low or high nibble by c/2), the high 2 from qh (bytes
-// 32h.., bits 2c and 2c+1), for g = 4h + c, as ggml lays them out.
-static inline __m256i q6_values_32(const block_q6_K& x, int g) {
-  const int h = g / 4, c = g % 4;
+// 32h.., bits 2c and 2c+1), for g = 4h + c, as ggml lays them out. g is known when
+// compiled, so each shift is an immediate; the high bits take one 16-bit shift to bits 4-5
+// (what it carries across a byte boundary is masked off).
+template <typename G>
+static inline __m256i q6_values_32(const block_q6_K& x, G g) {
+  constexpr int h = G::value / 4, c = G::value % 4;
   const __m256i ql =
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ql + 64 * h + 32 * (c % 2)));
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qh + 32 * h));
-  const __m256i low =
-      _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (c / 2))), _mm256_set1_epi8(15));
-  const __m256i high = _mm256_slli_epi16(
-      _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3)), 4);
-  return _mm256_or_si256(low, high);
+  const __m256i nibbles = c < 2 ? ql : _mm256_srli_epi16(ql, 4);
+  const __m256i high = c < 2   ? _mm256_slli_epi16(qh, 4 - 2 * c)
+                       : c > 2 ? _mm256_srli_epi16(qh, 2)
+                               : qh;
+  return _mm256_or_si256(_mm256_and_si256(nibbles, _mm256_set1_epi8(15)),
+                         _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
 }
 
 // Q6_K for a few rows (below GGUF_Q6_K_INTERLEAVED_MIN_ROWS, where interleaving 16 weight
@@ -141,22 +157,32 @@ struct RowsQ6K {
       const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales));
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-      for (int g = 0; g < QK_K / 32; ++g) {
+      const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+      // sub-blocks 0-7's scales in both halves, then 8-15's: one in-lane byte shuffle then
+      // gives a group's two scales, each over its 8 pair sums
+      const __m256i scale_halves[2] = {_mm256_permute2x128_si256(scales_16, scales_16, 0x00),
+                                       _mm256_permute2x128_si256(scales_16, scales_16, 0x11)};
+      for_each_index<QK_K / 32, true>([&](auto g) {
         const __m256i q6 = q6_values_32(x[b], g);
-        const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(g)));
+        constexpr char lo = 2 * (2 * g % 8), hi = 2 * ((2 * g + 1) % 8);
+        const __m256i scale = _mm256_shuffle_epi8(
+            scale_halves[g / 4],
+            _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1,
+                             lo, lo + 1, lo, lo + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1,
+                             hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1));
         for (int r = 0; r < R; ++r) {
           const __m256i q8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ys[r][b].qs) + g);
           sumi[r] =
               _mm256_add_epi32(sumi[r], _mm256_madd_epi16(scale, _mm256_maddubs_epi16(q6, q8)));
         }
-      }
-      const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+      });
       const float xd = fp16_to_fp32(x[b].d);
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r) {  // the offset's 32 * sum_j sc_j * P_j taken off before one sum
         const block_q8_K& y = ys[r][b];
         const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums));
-        const int32_t m = hsum_i32_8(_mm256_madd_epi16(q8sums, scales_16));
-        acc[r] = fmaf(xd * y.d, static_cast<float>(hsum_i32_8(sumi[r]) - 32 * m), acc[r]);
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+        const int32_t sum = hsum_i32_8(_mm256_sub_epi32(sumi[r], offset));
+        acc[r] = fmaf(xd * y.d, static_cast<float>(sum), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) out[r * out_stride] = acc[r];
@@ -437,17 +463,6 @@ static inline LanesF load_halves(const uint8_t* p) {
 }
 #endif
 
-// f(0), .., f(N - 1): unrolled, each index an integral_constant (shifts and offsets made of
-// it are then known when compiled), or a plain loop
-template <int N, bool unrolled, typename F, int... I>
-static inline void for_each_index(F f, std::integer_sequence<int, I...> = {}) {
-  if constexpr (!unrolled)
-    for (int i = 0; i < N; ++i) f(i);
-  else if constexpr (sizeof...(I) < N)
-    for_each_index<N, true>(f, std::make_integer_sequence<int, N>{});
-  else
-    (f(std::integral_constant<int, I>{}), ...);
-}
 // {f(0), .., f(N - 1)}
 template <int N, typename F, int... I>
 static inline auto array_of(F f, std::integer_sequence<int, I...> = {}) {
@@ -702,10 +717,11 @@ struct InterleavedQ6K {
       w[i] = x[i] ? x[i] + b : &kZero;
       prefetch_weights_ahead(w[i]);
     }
-    for (int g = 0; g < 8; ++g)
+    for_each_index<8, true>([&](auto g) {
       interleave_values(
           [&](int i) { return _mm256_sub_epi8(q6_values_32(*w[i], g), _mm256_set1_epi8(32)); },
           &t.q[g][0][0]);
+    });
     // a row's 16 scales as 16-bit values are its 8 pairs of them
     alignas(64) int32_t pairs[8][kW];
     interleave_values(

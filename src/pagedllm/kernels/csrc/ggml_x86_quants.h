@@ -123,16 +123,6 @@ static inline __m256i get_scale_shuffle_k4(int i) {
   };
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k_shuffle) + i);
 }
-static inline __m128i get_scale_shuffle(int i) {
-  static const uint8_t k_shuffle[128] = {
-      0,  0,  0,  0,  0,  0,  0,  0,  1,  1,  1,  1,  1,  1,  1,  1,  2,  2,  2,  2,  2,  2,
-      2,  2,  3,  3,  3,  3,  3,  3,  3,  3,  4,  4,  4,  4,  4,  4,  4,  4,  5,  5,  5,  5,
-      5,  5,  5,  5,  6,  6,  6,  6,  6,  6,  6,  6,  7,  7,  7,  7,  7,  7,  7,  7,  8,  8,
-      8,  8,  8,  8,  8,  8,  9,  9,  9,  9,  9,  9,  9,  9,  10, 10, 10, 10, 10, 10, 10, 10,
-      11, 11, 11, 11, 11, 11, 11, 11, 12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13,
-      13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15};
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(k_shuffle) + i);
-}
 
 // The 32 quants of one Q8_0/Q8_1 block, and their sum: x * (127 / max|x|) rounded to
 // nearest even (ggml's AVX2 code; its scalar _ref divides by d and rounds half away).
