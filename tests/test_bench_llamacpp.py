@@ -5,6 +5,7 @@ without them. No test asserts a timing."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -244,6 +245,24 @@ def test_bench_over_llama_cpp_tools(
     assert row["prompt_ratio"] == pytest.approx(ratio, abs=0.006)
     assert result["ratios"]["smollm2-1.7b"]["prompt"] == row["prompt_ratio"]
     assert "| prompt: pagedllm / llama.cpp |" in result["table_md"]
+
+
+def test_quant_names_the_file_and_the_type(tokenizer_source: str, tmp_path: Path) -> None:
+    """--quant: the file is quantized to that type (llama-quantize's last argument; this
+    stand-in writes it as the file) and named by it, and a second run reuses it."""
+    tool = tmp_path / "llama-quantize"
+    tool.write_text(f"#!{sys.executable}\nimport sys\nopen(sys.argv[2], 'w').write(sys.argv[3])\n")
+    tool.chmod(0o755)
+    tiny = ModelShape("smollm2-1.7b", "llama", 64, 128, 2, 4, 2, SMOLLM2_VOCAB, 130000.0)
+    work = tmp_path / "work"
+    args = argparse.Namespace(
+        work=str(work), seed=0, quant="Q4_0", keep_f16=False, tokenizer_from=tokenizer_source
+    )
+    path, note = llamacpp.quantized_model(tiny, args, str(tool))
+    assert path == str(work / f"{tiny.file_stem(0)}.Q4_0.gguf")
+    assert note.startswith(f"smollm2-1.7b: wrote {path}")
+    assert Path(path).read_text() == "Q4_0" and os.listdir(work) == [Path(path).name]
+    assert llamacpp.quantized_model(tiny, args, None) == (path, f"smollm2-1.7b: reused {path}")
 
 
 def test_bench_without_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,8 +19,9 @@ from test_gguf_kernels import KERNELS, run, skip_unless_runs, weight_blocks
 pytestmark = pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels here")
 
 # Each block's fields as (first byte, unit bytes, units), in the order the layout puts
-# them: Q4_1 d, m, qs; Q4_K d, dmin, scales, qs.
+# them: Q4_0 d, qs; Q4_1 d, m, qs; Q4_K d, dmin, scales, qs.
 FIELDS = {
+    T.Q4_0: ((0, 2, 1), (2, 4, 4)),
     T.Q4_1: ((0, 2, 1), (2, 2, 1), (4, 4, 4)),
     T.Q4_K: ((0, 2, 1), (2, 2, 1), (4, 4, 3), (16, 4, 32)),
 }
@@ -74,7 +75,7 @@ def test_refuses_what_the_layout_cannot_hold() -> None:
     with pytest.raises(ValueError, match="GGML type 14 has no interleaved layout"):
         interleave(torch.zeros(16, 210, dtype=torch.uint8), T.Q6_K)
     x = torch.zeros(1, 32)
-    with pytest.raises(ValueError, match="Q4_1 or Q4_K only, not Q8_0"):
+    with pytest.raises(ValueError, match="Q4_0, Q4_1 or Q4_K only, not Q8_0"):
         ops.gguf_linear_parts(x, [torch.zeros(1, 16, 34, dtype=torch.uint8)], [int(T.Q8_0)])
     grouped = torch.zeros(1, 16, 20, dtype=torch.uint8)
     with pytest.raises(ValueError, match="every part's rows in groups of 16; a part has 3"):

@@ -43,7 +43,7 @@ from pagedllm.kernels.gguf_blocks import (
 pytestmark = pytest.mark.skipif(bool(missing_cpu_features()), reason="no compiled kernels here")
 
 QUANT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
-ACTIVATION = {T.Q4_0: "Q8_0", T.Q4_1: "Q8_1", T.Q5_0: "Q8_0", T.Q8_0: "Q8_0"}
+ACTIVATION = {T.Q4_0: "Q8_1", T.Q4_1: "Q8_1", T.Q5_0: "Q8_0", T.Q8_0: "Q8_0"}
 # (rows, input blocks, output features): no output count a multiple of a tile.
 SHAPES = ((1, 1, 1), (2, 3, 7), (5, 17, 13), (9, 2, 41))
 # The gemm method's: row counts around its groups of 4, up to 300; (6, 8, 1000) crosses

@@ -3,11 +3,12 @@ GGUF files, one stream, the same threads.
 
 Models: `smollm2-135m`, the packaged SmolLM2-135M-Instruct Q4_1 file as is; `smollm2-1.7b`
 and `qwen2.5-7b`, real-shaped models of random weights (bench/random_gguf.py) written as
-F16 and quantized by llama.cpp's `llama-quantize` to Q4_K_M. Those files are kept in
-`--work` and reused by a later run of the same shape and seed; the F16 is deleted once
-quantized unless `--keep-f16`. llama.cpp decodes with `llama-bench -p 0 -n STEPS -o json`
-(its tg figure) and, with `--prompt-tokens N` (default 512), processes a prompt in the same
-call (`-p N`, its ppN figure); pagedllm in bench/gguf_probe.py. Each runs in a process of
+F16 and quantized by llama.cpp's `llama-quantize` to Q4_K_M (`--quant`: another type the
+kernels compute on). Those files are kept in `--work` and reused by a later run of the same
+shape, seed and type; the F16 is deleted once quantized unless `--keep-f16`. llama.cpp
+decodes with `llama-bench -p 0 -n STEPS -o json` (its tg figure) and, with
+`--prompt-tokens N` (default 512), processes a prompt in the same call (`-p N`, its ppN
+figure); pagedllm in bench/gguf_probe.py. Each runs in a process of
 its own, whose peak resident memory `wait4` reports; the two alternate for `--rounds`
 rounds, so that a machine whose speed drifts sways both alike (the ratio is the median of
 the rounds').
@@ -39,6 +40,8 @@ from pagedllm.loader import default_model_path
 PACKAGED = "smollm2-135m"
 MODELS = (PACKAGED, *SHAPES)
 QUANT = "Q4_K_M"
+# llama-quantize's names of the files whose every tensor the GGUF kernels compute on
+QUANTS = (QUANT, "Q5_K_M", "Q4_0", "Q4_1", "Q5_0", "Q8_0")
 TOOLS = ("llama-bench", "llama-quantize")
 BIN_ENV = "PAGEDLLM_LLAMA_CPP_BIN"
 HEADROOM = 0.5e9  # the memory bound: file + KV pool + this
@@ -89,6 +92,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=2, help="both systems' threads (default: 2)")
     kv = "pagedllm's KV pool (default: %(default)s)"
     p.add_argument("--kv-cache-memory", default="256MiB", help=kv)
+    quant = "llama-quantize's type for the shaped models (default: %(default)s)"
+    p.add_argument("--quant", choices=QUANTS, default=QUANT, help=quant)
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 files once quantized")
     source = "GGUF whose tokenizer the random models copy (default: the packaged SmolLM2-135M)"
     p.add_argument("--tokenizer-from", help=source)
@@ -111,15 +116,15 @@ def llama_cpp_tools(folder: str | None) -> dict[str, str | None]:
 def quantized_model(
     shape: ModelShape, args: argparse.Namespace, quantize: str | None
 ) -> tuple[str | None, str]:
-    """The Q4_K_M file of `shape` (written and quantized here unless --work has it), and a
+    """The --quant file of `shape` (written and quantized here unless --work has it), and a
     note of what was done; (None, why) where it cannot be made."""
-    work = Path(args.work)
+    work, quant = Path(args.work), args.quant
     stem = shape.file_stem(args.seed)
-    quantized, f16 = work / f"{stem}.{QUANT}.gguf", work / f"{stem}.F16.gguf"
+    quantized, f16 = work / f"{stem}.{quant}.gguf", work / f"{stem}.F16.gguf"
     if quantized.exists():
         return str(quantized), f"{shape.name}: reused {quantized}"
     if quantize is None:
-        return None, f"{shape.name}: skipped, writing its {QUANT} file needs llama-quantize"
+        return None, f"{shape.name}: skipped, writing its {quant} file needs llama-quantize"
     work.mkdir(parents=True, exist_ok=True)
     if not f16.exists():
         need = shape.f16_bytes() * 4 // 3  # the F16 and then its quantized copy beside it
@@ -128,12 +133,12 @@ def quantized_model(
             raise InvalidParameterError(
                 "work",
                 f"{shape.name} needs {need / GB:.1f} GB free in {work} for its F16 and "
-                f"{QUANT} files; {free / GB:.1f} GB are free",
+                f"{quant} files; {free / GB:.1f} GB are free",
             )
         write_random_gguf(str(f16), shape, args.seed, args.tokenizer_from or default_model_path())
-    partial = work / f"{stem}.{QUANT}.gguf.partial"
+    partial = work / f"{stem}.{quant}.gguf.partial"
     done = subprocess.run(
-        [quantize, str(f16), str(partial), QUANT], capture_output=True, text=True, check=False
+        [quantize, str(f16), str(partial), quant], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         tail = done.stderr.strip()[-1500:]
@@ -299,6 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             path, note = quantized_model(SHAPES[name], args, tools["llama-quantize"])
             notes.append(note)
+            name = name if args.quant == QUANT else f"{name} {args.quant}"
         if path is None:
             continue
         load = round(os.getloadavg()[0], 2)  # other work on the cores sways both figures
@@ -326,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         notes += [f"{name}: {error}" for error in row.get("errors", [])]
     config = {"threads": args.threads, "steps": args.steps, "rounds": args.rounds}
     config["prompt_tokens"] = args.prompt_tokens
+    config["quant"] = args.quant
     config["kv_cache_memory"] = args.kv_cache_memory
     config |= {"cpu_kind": cpu_kind(), "read_gb_per_s": round(read_rate / GB, 1)}
     config["llama_cpp_bin"] = os.path.dirname(tools["llama-bench"] or "") or None

@@ -45,6 +45,7 @@ GEMM_TYPES: tuple[GGMLQuantizationType, ...] = (
 # The types whose weights are interleaved at load (csrc/gguf_interleaved_layout.h), in
 # groups of this many rows (docs/kernels.md says why Q6_K is not).
 INTERLEAVED_TYPES: tuple[GGMLQuantizationType, ...] = (
+    GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q4_K,
 )

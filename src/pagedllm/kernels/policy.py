@@ -34,15 +34,15 @@ GEMV_MAX_ROWS = 8
 PANEL_GEMV_MAX_ROWS = 2
 
 # From this many input rows on, a linear layer on GGUF blocks of a type with a multi-row
-# kernel (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; Q4_1 below) unpacks each weight block once for
+# kernel (Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; Q4_0 and Q4_1 below) unpacks each weight block once for
 # several input rows (the "gemm" method of csrc/gguf_linear.cpp) instead of once per row:
 # measured faster from 2 rows on, the same at 1 (docs/kernels.md has the figures).
 GGUF_GEMM_MIN_ROWS = 2
 
-# Q4_1's gemm method interleaves 16 weight rows (8 on AVX2) and applies each block's scales
-# once for all of them; measured against the one-row dot, it took less time from one input
-# row on.
-GGUF_Q4_1_GEMM_MIN_ROWS = 1
+# Q4_0's and Q4_1's gemm methods interleave 16 weight rows (8 on AVX2) and apply each
+# block's scales once for all of them; measured against the one-row dot (Q4_1), it took less
+# time from one input row on.
+GGUF_Q4_0_Q4_1_GEMM_MIN_ROWS = 1
 
 # Q4_K's and Q6_K's gemm methods (from GGUF_GEMM_MIN_ROWS rows) interleave the weight rows
 # likewise from these many input rows on; below, they unpack one weight row at a time for
@@ -52,7 +52,7 @@ GGUF_Q4_1_GEMM_MIN_ROWS = 1
 GGUF_Q4_K_INTERLEAVED_MIN_ROWS = 3
 GGUF_Q6_K_INTERLEAVED_MIN_ROWS = 6
 
-# Q4_1 and Q4_K weights are interleaved at load (16 rows at a time, see
+# Q4_0, Q4_1 and Q4_K weights are interleaved at load (16 rows at a time, see
 # csrc/gguf_interleaved_layout.h) when the kernels build. Up to this many input rows (the
 # fewest activation rows any build's pass takes) the kernels read them in place; above, each
 # pass over 16 weight rows unpacks them once for all the passes of input rows (measured

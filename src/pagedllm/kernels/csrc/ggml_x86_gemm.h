@@ -1,4 +1,4 @@
-// Several activation rows at once (the "gemm" method). Q5_K, Q8_0, Q4_0 and Q5_0: one
+// Several activation rows at once (the "gemm" method). Q5_K, Q8_0 and Q5_0: one
 // weight row times R (1..kRowsPerDot) rows of activation blocks, each weight block loaded
 // and unpacked once for all R rows (its nibbles, high bits and scales), where
 // ggml_x86_quants.h's dot products unpack it once per row. Each row's
@@ -6,7 +6,7 @@
 // lanes summed in the same order), so the outputs equal the one-row kernels' bit for bit;
 // only the loop over rows moved inside the loop over blocks.
 //
-// Q4_1, Q4_K and Q6_K: interleaved weight rows with an arithmetic of their own, which their
+// Q4_0, Q4_1, Q4_K and Q6_K: interleaved weight rows with an arithmetic of their own, which their
 // one-row dots share (ggml_x86_interleaved.h, included after this file).
 //
 // Included by gguf_linear.cpp right after ggml_x86_quants.h, in the same namespaces (AVX2,
@@ -119,7 +119,7 @@ struct RowsQ8_0 {
   }
 };
 
-// Q4_0 and Q5_0 (both times Q8_0): the signed quants of one block, and their magnitudes,
+// Q5_0 (times Q8_0): the signed quants of one block, and their magnitudes,
 // made once; each row takes the weights' signs (mul_sum_i8_pairs_float split in two).
 template <typename Unpack>
 struct RowsSigned32 {
@@ -147,14 +147,6 @@ struct RowsSigned32 {
   }
 };
 
-// The 32 quants of a Q4_0 block in [-8, 7], as vec_dot_q4_0_q8_0 makes them.
-struct UnpackQ4_0 {
-  using Block = block_q4_0;
-  static __m256i quants(const block_q4_0& b) {
-    return _mm256_sub_epi8(bytes_from_nibbles_32(b.qs), _mm256_set1_epi8(8));
-  }
-};
-
 // The 32 quants of a Q5_0 block in [-16, 15], as vec_dot_q5_0_q8_0 makes them.
 struct UnpackQ5_0 {
   using Block = block_q5_0;
@@ -165,7 +157,6 @@ struct UnpackQ5_0 {
   }
 };
 
-using RowsQ4_0 = RowsSigned32<UnpackQ4_0>;
 using RowsQ5_0 = RowsSigned32<UnpackQ5_0>;
 
 // out[r * out_stride] = weight row . activation row r, for r < rows (1..kRowsPerDot).

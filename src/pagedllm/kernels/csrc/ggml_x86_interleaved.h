@@ -1,5 +1,5 @@
-// The gemm method of Q4_1, Q4_K and Q6_K: interleaved weight rows, and the one-row dots that
-// share their arithmetic (see below). dot_q4_K and dot_q6_K follow ggml v0.20.2's
+// The gemm method of Q4_0, Q4_1, Q4_K and Q6_K: interleaved weight rows, and the one-row
+// dots that share their arithmetic (see below). dot_q4_K and dot_q6_K follow ggml v0.20.2's
 // ggml_vec_dot_q4_K_q8_K and ggml_vec_dot_q6_K_q8_K (MIT license, notice in
 // ggml_x86_quants.h) up to their float steps.
 //
@@ -7,8 +7,8 @@
 // namespaces, so no include guard. It ends with the Panel trait that names every type's
 // gemm kernel.
 
-// Q4_1, Q4_K and Q6_K, interleaved. A block's scales cost float steps that a 32-value block
-// (Q4_1) leaves little integer work to hide, and that K-quants must apply per 32 or 16 values; so
+// Q4_0, Q4_1, Q4_K and Q6_K, interleaved. A block's scales cost float steps that a 32-value
+// block (Q4_0, Q4_1) leaves little integer work to hide, and that K-quants must apply per 32 or 16 values; so
 // these panels take 16 weight rows (VNNI build; 8 in the AVX2 build) at once with their
 // 4-value groups interleaved: lane i of register t holds values 4t..4t+3 of row i, and one
 // vpdpbusd (AVX2: vpmaddubsw, the 16-bit sums added over 32 values, then one vpmaddwd) with
@@ -16,6 +16,7 @@
 // scales are then applied once for all the rows. The arithmetic, per output and block in
 // order (the one-row dots below do the same, so both methods and both builds give the same
 // bits):
+//   Q4_0: S = sum of q_w * q_a - 8 * sum_a (exact int32);  acc = fma(d_w * d_a, S, acc)
 //   Q4_1: S = sum of q_w * q_a (exact int32);  acc = fma(d_w * d_a, S, acc);
 //         acc = fma(m_w, d_a * sum_a, acc)  (d_a * sum_a is exact in fp32)
 //   Q4_K: I = sum over sub-blocks j of sc_j * (sum of q_w * q_a over j), M = sum of m_j * P_j
@@ -50,19 +51,35 @@ static inline int32_t hsum_i32_4(__m128i s) {
   return _mm_cvtsi128_si32(s);
 }
 
+// The sum of a 32-value block's nibbles (unsigned) times its activation quants, exact.
+static inline int32_t nibble_sum_32(const uint8_t* qs, const int8_t* qa) {
+  const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa));
+  return hsum_i32_8(_mm256_madd_epi16(_mm256_maddubs_epi16(bytes_from_nibbles_32(qs), qy),
+                                      _mm256_set1_epi16(1)));
+}
+
 static float dot_q4_1(int n, const void* vx, const void* vy) {
   const block_q4_1* x = static_cast<const block_q4_1*>(vx);
   const block_q8_1* y = static_cast<const block_q8_1*>(vy);
-  const __m256i ones = _mm256_set1_epi16(1);
   float acc = 0.f;
   for (int b = 0; b < n / QK4_1; ++b) {
     prefetch_weights_ahead(x + b);
-    const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs));
-    const int32_t s = hsum_i32_8(
-        _mm256_madd_epi16(_mm256_maddubs_epi16(bytes_from_nibbles_32(x[b].qs), qy), ones));
+    const int32_t s = nibble_sum_32(x[b].qs, y[b].qs);
     const float da = fp16_to_fp32(y[b].d);
     acc = fmaf(fp16_to_fp32(x[b].d) * da, static_cast<float>(s), acc);
     acc = fmaf(fp16_to_fp32(x[b].m), da * static_cast<float>(y[b].sum), acc);
+  }
+  return acc;
+}
+
+static float dot_q4_0(int n, const void* vx, const void* vy) {
+  const block_q4_0* x = static_cast<const block_q4_0*>(vx);
+  const block_q8_1* y = static_cast<const block_q8_1*>(vy);
+  float acc = 0.f;
+  for (int b = 0; b < n / QK4_0; ++b) {
+    prefetch_weights_ahead(x + b);
+    const int32_t s = nibble_sum_32(x[b].qs, y[b].qs) - 8 * y[b].sum;
+    acc = fmaf(fp16_to_fp32(x[b].d) * fp16_to_fp32(y[b].d), static_cast<float>(s), acc);
   }
   return acc;
 }
@@ -490,7 +507,7 @@ static inline const uint8_t* unit_at(const uint8_t* rows, int u, int unit) {
 }
 
 // Each kind reads a block of kW weight rows through a source: FromTile, a Tile the panel
-// interleaved from the file's rows for this call, or (Q4_1, Q4_K) FromGroup, the rows
+// interleaved from the file's rows for this call, or (Q4_0, Q4_1, Q4_K) FromGroup, the rows
 // lo..lo+kW-1 of a group's block in the interleaved layout (p: the block), read in place.
 // add_block's arithmetic is the same for both, so are the bits. add_block<R, H> takes H
 // sources (H > 1: the halves of a group's block, one activation row) and their
@@ -558,6 +575,63 @@ struct InterleavedQ4_1 {
         acc[h][r] = lanes_step(acc[h][r], d, a[r][b].d, s[h][r]);
         acc[h][r] = lanes_fma(acc[h][r], m, a[r][b].d_sum);
       }
+    }
+  }
+};
+
+// Q4_0: Q4_1 without the minimum, its quants' offset of 8 taken off the integer sum
+// (S - 8 * sum_a, exact) before Q4_1's first float step.
+struct InterleavedQ4_0 {
+  static constexpr int kBlock = QK4_0;
+  static constexpr int kPassRows = InterleavedQ4_1::kPassRows;
+  using Weight = block_q4_0;
+  using Activation = block_q8_1;
+  struct Act {
+    float d;
+    int32_t offset;  // 8 * sum_a
+  };
+  struct Tile {
+    int32_t q[8][kW];
+    float d[kW];
+  };
+  static Act act(const block_q8_1& y) { return {fp16_to_fp32(y.d), 8 * y.sum}; }
+  static void interleave(const block_q4_0* const* x, int b, Tile& t) {
+    static const block_q4_0 kZero = {};
+    interleave_values([&](int i) { return bytes_from_nibbles_32((x[i] ? x[i][b] : kZero).qs); },
+                      &t.q[0][0]);
+    for (int i = 0; i < kW; ++i) t.d[i] = x[i] ? fp16_to_fp32(x[i][b].d) : 0.f;
+  }
+  struct FromTile {
+    const Tile& t;
+    LanesI q(int u) const { return lanes_load_i(t.q[u]); }  // values 4u..4u+3
+    LanesF d() const { return lanes_load_f(t.d); }
+  };
+  struct FromGroup {
+    const uint8_t *rows2, *rows4;  // the block advanced by the first row's 2- and 4-byte units
+    FromGroup(const uint8_t* block, int first)
+        : rows2(block + 2 * first), rows4(block + 4 * first) {}
+    LanesI q(int u) const {
+      const LaneInts v = load_lanes(unit_at(rows4 + interleaved::kQ4_0Qs, u % 4, 4));
+      return as_lanes((v >> 4 * (u / 4)) & kLowNibbles);
+    }
+    LanesF d() const { return load_halves(rows2 + interleaved::kQ4_0D); }
+  };
+  static void fill(const FromGroup& w, Tile& t) {
+    for (int u = 0; u < 8; ++u) lanes_store_i(t.q[u], w.q(u));
+    lanes_store(t.d, w.d(), kW);
+  }
+  template <int R, int H, typename W>
+  static void add_block(const W* w, const Activation* const* ys, const Act* const* a, int b,
+                        LanesF (*acc)[R]) {
+    const int8_t* q[R];
+    for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs;
+    LanesI s[H][R];
+    sums_32<R, H>([&](int h, int u) { return w[h].q(u); }, q, s);
+    for (int h = 0; h < H; ++h) {
+      const LanesF d = w[h].d();
+      for (int r = 0; r < R; ++r)
+        acc[h][r] =
+            lanes_step(acc[h][r], d, a[r][b].d, as_lanes(as_lane_ints(s[h][r]) - a[r][b].offset));
     }
   }
 };
@@ -932,6 +1006,10 @@ struct Panel<RowsQ4K, block_q8_K> {
 template <>
 struct Panel<InterleavedQ4_1, block_q8_1> {
   static constexpr auto run = interleaved_panel<InterleavedQ4_1>;
+};
+template <>
+struct Panel<InterleavedQ4_0, block_q8_1> {
+  static constexpr auto run = interleaved_panel<InterleavedQ4_0>;
 };
 template <>
 struct Panel<RowsQ6K, block_q8_K> {

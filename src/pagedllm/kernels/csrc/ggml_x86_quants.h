@@ -1,6 +1,6 @@
 // ggml's x86 kernels for GGUF blocks: quantize one fp32 activation row into Q8_0, Q8_1 or
 // Q8_K blocks, and the dot product of a row of weight blocks with a row of activation
-// blocks (Q4_0.Q8_0, Q5_0.Q8_0, Q8_0.Q8_0, Q5_K.Q8_K; Q4_1's, Q4_K's and Q6_K's are in
+// blocks (Q5_0.Q8_0, Q8_0.Q8_0, Q5_K.Q8_K; Q4_0's, Q4_1's, Q4_K's and Q6_K's are in
 // ggml_x86_interleaved.h, with the arithmetic of their interleaved gemm).
 //
 // Included twice by gguf_linear.cpp, each time inside a namespace of its own: once for
@@ -235,33 +235,6 @@ static void quantize_row_q8_K(const float* x, void* vy, int64_t k) {
     y[i].d = 1 / iscale;
     x += QK_K;
   }
-}
-
-static float vec_dot_q4_0_q8_0(int n, const void* vx, const void* vy) {
-  const int nb = n / QK8_0;
-  const block_q4_0* x = static_cast<const block_q4_0*>(vx);
-  const block_q8_0* y = static_cast<const block_q8_0*>(vy);
-
-  __m256 acc = _mm256_setzero_ps();
-  for (int ib = 0; ib < nb; ++ib) {
-    prefetch_weights_ahead(x + ib);
-    // Compute combined scale for the block
-    const __m256 d = _mm256_set1_ps(fp16_to_fp32(x[ib].d) * fp16_to_fp32(y[ib].d));
-
-    __m256i qx = bytes_from_nibbles_32(x[ib].qs);
-
-    // Now we have a vector with bytes in [ 0 .. 15 ] interval. Offset them into [ -8 .. +7 ] interval.
-    const __m256i off = _mm256_set1_epi8(8);
-    qx = _mm256_sub_epi8(qx, off);
-
-    __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[ib].qs));
-
-    const __m256 q = mul_sum_i8_pairs_float(qx, qy);
-
-    // Multiply q with scale and accumulate
-    acc = _mm256_fmadd_ps(d, q, acc);
-  }
-  return hsum_float_8(acc);
 }
 
 static float vec_dot_q5_0_q8_0(int n, const void* vx, const void* vy) {

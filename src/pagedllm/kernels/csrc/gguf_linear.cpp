@@ -12,7 +12,7 @@
 //
 // With many input rows (prompt chunks, batched decode) the weights of every block type take
 // the "gemm" method (ggml_x86_gemm.h): each weight block is unpacked once for several input
-// rows (Q4_1 and Q4_K: 16 weight rows interleaved, 8 on AVX2), over tiles of weight rows that
+// rows (Q4_0, Q4_1, Q4_K, Q6_K: 16 weight rows interleaved, 8 on AVX2), over tiles of rows that
 // stay in cache while every group of input rows passes. Its outputs equal the one-row "gemv"
 // method's bit for bit; "auto" picks it from each type's threshold in kernels/policy.py
 // (passed by the build) on.
@@ -72,8 +72,8 @@ using RowsPanel = void (*)(int n, const uint8_t* weights, int64_t row_bytes, int
 #error "PAGEDLLM_GGUF_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
 constexpr int64_t kGemmMinRows = PAGEDLLM_GGUF_GEMM_MIN_ROWS;
-#ifndef PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS
-#error "PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
+#ifndef PAGEDLLM_GGUF_Q4_0_Q4_1_GEMM_MIN_ROWS
+#error "PAGEDLLM_GGUF_Q4_0_Q4_1_GEMM_MIN_ROWS must be defined by the build (kernels/policy.py)"
 #endif
 #ifndef PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS
 #error "PAGEDLLM_GGUF_INTERLEAVED_IN_PLACE_MAX_ROWS must be defined by the build (policy.py)"
@@ -132,11 +132,12 @@ float dot_fp(int n, const void* weight_row, const void* activation_row) {
 const GgufType kTypes[] = {
     {1, "F16", 1, 2, 4, {nullptr, dot_fp<c10::Half>}, {nullptr, dot_fp<c10::Half>}},
     {30, "BF16", 1, 2, 4, {nullptr, dot_fp<c10::BFloat16>}, {nullptr, dot_fp<c10::BFloat16>}},
-    {2, "Q4_0", 32, 18, 34,
-     PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q4_0_q8_0, RowsQ4_0, ggml::block_q8_0, kGemmMinRows)},
+    {2, "Q4_0", 32, 18, 36,
+     PAGEDLLM_GROUPED_KERNELS(quantize_row_q8_1, dot_q4_0, InterleavedQ4_0, ggml::block_q8_1,
+                              PAGEDLLM_GGUF_Q4_0_Q4_1_GEMM_MIN_ROWS, InterleavedQ4_0)},
     {3, "Q4_1", 32, 20, 36,
      PAGEDLLM_GROUPED_KERNELS(quantize_row_q8_1, dot_q4_1, InterleavedQ4_1, ggml::block_q8_1,
-                              PAGEDLLM_GGUF_Q4_1_GEMM_MIN_ROWS, InterleavedQ4_1)},
+                              PAGEDLLM_GGUF_Q4_0_Q4_1_GEMM_MIN_ROWS, InterleavedQ4_1)},
     {6, "Q5_0", 32, 22, 34,
      PAGEDLLM_GEMM_KERNELS(quantize_row_q8_0, vec_dot_q5_0_q8_0, RowsQ5_0, ggml::block_q8_0, kGemmMinRows)},
     {8, "Q8_0", 32, 34, 34,
@@ -321,7 +322,7 @@ Part weight_part(const at::Tensor& weight, const GgufType& type, const std::stri
   const BlockKernels& kernels = kernels_for(type, kernel);
   const bool grouped = weight.dim() == 3;
   TORCH_CHECK_VALUE(!grouped || (weight.size(1) == kInterleavedGroupRows && kernels.grouped),
-                    "a [groups, 16, bytes per row] weight is interleaved: Q4_1 or Q4_K ",
+                    "a [groups, 16, bytes per row] weight is interleaved: Q4_0, Q4_1 or Q4_K ",
                     "only, not ", type.name, " ", weight.sizes());
   return {weight.data_ptr<uint8_t>(), out_features, row_bytes, first_column, &kernels, nullptr,
           k / type.block * type.activation_bytes, grouped};

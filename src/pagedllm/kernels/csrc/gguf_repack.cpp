@@ -1,4 +1,4 @@
-// Q4_1 and Q4_K weights into the interleaved layout of gguf_interleaved_layout.h, and
+// Q4_0, Q4_1 and Q4_K weights into the interleaved layout of gguf_interleaved_layout.h, and
 // back (for dequantizing and for tests):
 //
 //   gguf_interleave(blocks, ggml_type, inverse=False, release_source=False) -> blocks
@@ -30,7 +30,7 @@ const InterleavedLayout& layout_of(int64_t ggml_type) {
   for (const InterleavedLayout& l : kInterleavedLayouts)
     if (l.ggml_type == ggml_type) return l;
   TORCH_CHECK_VALUE(false, "GGML type ", ggml_type,
-                    " has no interleaved layout (Q4_1=3, Q4_K=12)");
+                    " has no interleaved layout (Q4_0=2, Q4_1=3, Q4_K=12)");
 }
 
 void release_pages(const uint8_t* data, int64_t bytes) {
