@@ -512,15 +512,21 @@ static inline const uint8_t* unit_at(const uint8_t* rows, int u, int unit) {
 // add_block's arithmetic is the same for both, so are the bits. add_block<R, H> takes H
 // sources (H > 1: the halves of a group's block, one activation row) and their
 // accumulators acc[h][r].
-struct InterleavedQ4_1 {
-  static constexpr int kBlock = QK4_1;
+// Q4_0 and Q4_1: 32 four-bit quants q and a fp16 scale d per block. Q4_1 adds a minimum m
+// (value d * q + m); Q4_0 offsets its quants by 8 (value d * (q - 8)), which comes off the
+// integer sum exactly (S - 8 * sum_a) before the one float step.
+template <typename Block>
+struct InterleavedNibbles {
+  static constexpr bool kMin = std::is_same_v<Block, block_q4_1>;
+  static constexpr int kBlock = 32;
   // Activation rows per pass of a weight tile. Q4_1's float steps per 32 values leave
   // nothing to gain from 8 (measured: scripts/int8_mac_ceiling.py).
   static constexpr int kPassRows = 4;
-  using Weight = block_q4_1;
+  using Weight = Block;
   using Activation = block_q8_1;
   struct Act {
-    float d, d_sum;  // d_a, d_a * sum_a
+    float d, d_sum;  // d_a, d_a * sum_a (Q4_1's minimum)
+    int32_t offset;  // 8 * sum_a (Q4_0's quants), else 0
   };
   struct Tile {
     int32_t q[8][kW];
@@ -528,15 +534,15 @@ struct InterleavedQ4_1 {
   };
   static Act act(const block_q8_1& y) {
     const float d = fp16_to_fp32(y.d);
-    return {d, d * static_cast<float>(y.sum)};
+    return {d, d * static_cast<float>(y.sum), kMin ? 0 : 8 * y.sum};
   }
-  static void interleave(const block_q4_1* const* x, int b, Tile& t) {
-    static const block_q4_1 kZero = {};
+  static void interleave(const Block* const* x, int b, Tile& t) {
+    static const Block kZero = {};
     interleave_values([&](int i) { return bytes_from_nibbles_32((x[i] ? x[i][b] : kZero).qs); },
                       &t.q[0][0]);
     for (int i = 0; i < kW; ++i) {
       t.d[i] = x[i] ? fp16_to_fp32(x[i][b].d) : 0.f;
-      t.m[i] = x[i] ? fp16_to_fp32(x[i][b].m) : 0.f;
+      if constexpr (kMin) t.m[i] = x[i] ? fp16_to_fp32(x[i][b].m) : 0.f;
     }
   }
   struct FromTile {
@@ -546,20 +552,22 @@ struct InterleavedQ4_1 {
     LanesF m() const { return lanes_load_f(t.m); }
   };
   struct FromGroup {
+    static constexpr int kD = kMin ? interleaved::kQ4_1D : interleaved::kQ4_0D;
+    static constexpr int kQs = kMin ? interleaved::kQ4_1Qs : interleaved::kQ4_0Qs;
     const uint8_t *rows2, *rows4;  // the block advanced by the first row's 2- and 4-byte units
     FromGroup(const uint8_t* block, int first)
         : rows2(block + 2 * first), rows4(block + 4 * first) {}
     LanesI q(int u) const {
-      const LaneInts v = load_lanes(unit_at(rows4 + interleaved::kQ4_1Qs, u % 4, 4));
+      const LaneInts v = load_lanes(unit_at(rows4 + kQs, u % 4, 4));
       return as_lanes((v >> 4 * (u / 4)) & kLowNibbles);
     }
-    LanesF d() const { return load_halves(rows2 + interleaved::kQ4_1D); }
+    LanesF d() const { return load_halves(rows2 + kD); }
     LanesF m() const { return load_halves(rows2 + interleaved::kQ4_1M); }
   };
   static void fill(const FromGroup& w, Tile& t) {
     for (int u = 0; u < 8; ++u) lanes_store_i(t.q[u], w.q(u));
     lanes_store(t.d, w.d(), kW);
-    lanes_store(t.m, w.m(), kW);
+    if constexpr (kMin) lanes_store(t.m, w.m(), kW);
   }
   // acc[h][r] += activation row r's block b (ys[r][b], a[r][b]) times source h's rows
   template <int R, int H, typename W>
@@ -570,71 +578,23 @@ struct InterleavedQ4_1 {
     LanesI s[H][R];
     sums_32<R, H>([&](int h, int u) { return w[h].q(u); }, q, s);
     for (int h = 0; h < H; ++h) {
-      const LanesF d = w[h].d(), m = w[h].m();
+      const LanesF d = w[h].d();
+      LanesF m{};
+      if constexpr (kMin) m = w[h].m();
       for (int r = 0; r < R; ++r) {
-        acc[h][r] = lanes_step(acc[h][r], d, a[r][b].d, s[h][r]);
-        acc[h][r] = lanes_fma(acc[h][r], m, a[r][b].d_sum);
+        if constexpr (kMin) {
+          acc[h][r] = lanes_step(acc[h][r], d, a[r][b].d, s[h][r]);
+          acc[h][r] = lanes_fma(acc[h][r], m, a[r][b].d_sum);
+        } else {
+          const LanesI offset_sum = as_lanes(as_lane_ints(s[h][r]) - a[r][b].offset);
+          acc[h][r] = lanes_step(acc[h][r], d, a[r][b].d, offset_sum);
+        }
       }
     }
   }
 };
-
-// Q4_0: Q4_1 without the minimum, its quants' offset of 8 taken off the integer sum
-// (S - 8 * sum_a, exact) before Q4_1's first float step.
-struct InterleavedQ4_0 {
-  static constexpr int kBlock = QK4_0;
-  static constexpr int kPassRows = InterleavedQ4_1::kPassRows;
-  using Weight = block_q4_0;
-  using Activation = block_q8_1;
-  struct Act {
-    float d;
-    int32_t offset;  // 8 * sum_a
-  };
-  struct Tile {
-    int32_t q[8][kW];
-    float d[kW];
-  };
-  static Act act(const block_q8_1& y) { return {fp16_to_fp32(y.d), 8 * y.sum}; }
-  static void interleave(const block_q4_0* const* x, int b, Tile& t) {
-    static const block_q4_0 kZero = {};
-    interleave_values([&](int i) { return bytes_from_nibbles_32((x[i] ? x[i][b] : kZero).qs); },
-                      &t.q[0][0]);
-    for (int i = 0; i < kW; ++i) t.d[i] = x[i] ? fp16_to_fp32(x[i][b].d) : 0.f;
-  }
-  struct FromTile {
-    const Tile& t;
-    LanesI q(int u) const { return lanes_load_i(t.q[u]); }  // values 4u..4u+3
-    LanesF d() const { return lanes_load_f(t.d); }
-  };
-  struct FromGroup {
-    const uint8_t *rows2, *rows4;  // the block advanced by the first row's 2- and 4-byte units
-    FromGroup(const uint8_t* block, int first)
-        : rows2(block + 2 * first), rows4(block + 4 * first) {}
-    LanesI q(int u) const {
-      const LaneInts v = load_lanes(unit_at(rows4 + interleaved::kQ4_0Qs, u % 4, 4));
-      return as_lanes((v >> 4 * (u / 4)) & kLowNibbles);
-    }
-    LanesF d() const { return load_halves(rows2 + interleaved::kQ4_0D); }
-  };
-  static void fill(const FromGroup& w, Tile& t) {
-    for (int u = 0; u < 8; ++u) lanes_store_i(t.q[u], w.q(u));
-    lanes_store(t.d, w.d(), kW);
-  }
-  template <int R, int H, typename W>
-  static void add_block(const W* w, const Activation* const* ys, const Act* const* a, int b,
-                        LanesF (*acc)[R]) {
-    const int8_t* q[R];
-    for (int r = 0; r < R; ++r) q[r] = ys[r][b].qs;
-    LanesI s[H][R];
-    sums_32<R, H>([&](int h, int u) { return w[h].q(u); }, q, s);
-    for (int h = 0; h < H; ++h) {
-      const LanesF d = w[h].d();
-      for (int r = 0; r < R; ++r)
-        acc[h][r] =
-            lanes_step(acc[h][r], d, a[r][b].d, as_lanes(as_lane_ints(s[h][r]) - a[r][b].offset));
-    }
-  }
-};
+using InterleavedQ4_0 = InterleavedNibbles<block_q4_0>;
+using InterleavedQ4_1 = InterleavedNibbles<block_q4_1>;
 
 struct InterleavedQ4K {
   static constexpr int kBlock = QK_K;
