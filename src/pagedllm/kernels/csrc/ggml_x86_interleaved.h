@@ -7,15 +7,14 @@
 // namespaces, so no include guard. It ends with the Panel trait that names every type's
 // gemm kernel.
 
-// Q4_0, Q4_1, Q4_K and Q6_K, interleaved. A block's scales cost float steps that a 32-value
-// block (Q4_0, Q4_1) leaves little integer work to hide, and that K-quants must apply per 32 or 16 values; so
-// these panels take 16 weight rows (VNNI build; 8 in the AVX2 build) at once with their
-// 4-value groups interleaved: lane i of register t holds values 4t..4t+3 of row i, and one
-// vpdpbusd (AVX2: vpmaddubsw, the 16-bit sums added over 32 values, then one vpmaddwd) with
-// an activation group broadcast to every lane advances every row's dot product. A block's
-// scales are then applied once for all the rows. The arithmetic, per output and block in
-// order (the one-row dots below do the same, so both methods and both builds give the same
-// bits):
+// Q4_0, Q4_1, Q4_K and Q6_K, interleaved. A block's scales cost float steps that a 32-value block
+// (Q4_0, Q4_1) leaves little integer work to hide, and that K-quants must apply per 32 or 16
+// values; so these panels take 16 weight rows (VNNI build; 8 in the AVX2 build) at once with their
+// 4-value groups interleaved: lane i of register t holds values 4t..4t+3 of row i, and one vpdpbusd
+// (AVX2: vpmaddubsw, the 16-bit sums added over 32 values, then one vpmaddwd) with an activation
+// group broadcast to every lane advances every row's dot product. A block's scales are then applied
+// once for all the rows. The arithmetic, per output and block in order (the one-row dots below do
+// the same, so both methods and both builds give the same bits):
 //   Q4_0: S = sum of q_w * q_a - 8 * sum_a (exact int32);  acc = fma(d_w * d_a, S, acc)
 //   Q4_1: S = sum of q_w * q_a (exact int32);  acc = fma(d_w * d_a, S, acc);
 //         acc = fma(m_w, d_a * sum_a, acc)  (d_a * sum_a is exact in fp32)
