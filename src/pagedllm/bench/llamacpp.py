@@ -304,7 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             path, note = quantized_model(SHAPES[name], args, tools["llama-quantize"])
             notes.append(note)
-            name = name if args.quant == QUANT else f"{name} {args.quant}"
+            if args.quant != QUANT:  # the row says which file it timed
+                name = f"{name} {args.quant}"
         if path is None:
             continue
         load = round(os.getloadavg()[0], 2)  # other work on the cores sways both figures

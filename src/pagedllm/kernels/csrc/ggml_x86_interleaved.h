@@ -50,38 +50,29 @@ static inline int32_t hsum_i32_4(__m128i s) {
   return _mm_cvtsi128_si32(s);
 }
 
-// The sum of a 32-value block's nibbles (unsigned) times its activation quants, exact.
-static inline int32_t nibble_sum_32(const uint8_t* qs, const int8_t* qa) {
-  const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa));
-  return hsum_i32_8(_mm256_madd_epi16(_mm256_maddubs_epi16(bytes_from_nibbles_32(qs), qy),
-                                      _mm256_set1_epi16(1)));
-}
-
-static float dot_q4_1(int n, const void* vx, const void* vy) {
-  const block_q4_1* x = static_cast<const block_q4_1*>(vx);
+// Q4_0's and Q4_1's one-row dot, with InterleavedNibbles' arithmetic (below): Q4_1 adds its
+// minimum's step, Q4_0 takes the offset of 8 off the block's integer sum.
+template <typename Block>
+static float dot_nibbles(int n, const void* vx, const void* vy) {
+  const Block* x = static_cast<const Block*>(vx);
   const block_q8_1* y = static_cast<const block_q8_1*>(vy);
+  const __m256i ones = _mm256_set1_epi16(1);
   float acc = 0.f;
-  for (int b = 0; b < n / QK4_1; ++b) {
+  for (int b = 0; b < n / 32; ++b) {
     prefetch_weights_ahead(x + b);
-    const int32_t s = nibble_sum_32(x[b].qs, y[b].qs);
+    const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs));
+    int32_t s = hsum_i32_8(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(bytes_from_nibbles_32(x[b].qs), qy), ones));
+    if constexpr (!std::is_same_v<Block, block_q4_1>) s -= 8 * y[b].sum;
     const float da = fp16_to_fp32(y[b].d);
     acc = fmaf(fp16_to_fp32(x[b].d) * da, static_cast<float>(s), acc);
-    acc = fmaf(fp16_to_fp32(x[b].m), da * static_cast<float>(y[b].sum), acc);
+    if constexpr (std::is_same_v<Block, block_q4_1>)
+      acc = fmaf(fp16_to_fp32(x[b].m), da * static_cast<float>(y[b].sum), acc);
   }
   return acc;
 }
-
-static float dot_q4_0(int n, const void* vx, const void* vy) {
-  const block_q4_0* x = static_cast<const block_q4_0*>(vx);
-  const block_q8_1* y = static_cast<const block_q8_1*>(vy);
-  float acc = 0.f;
-  for (int b = 0; b < n / QK4_0; ++b) {
-    prefetch_weights_ahead(x + b);
-    const int32_t s = nibble_sum_32(x[b].qs, y[b].qs) - 8 * y[b].sum;
-    acc = fmaf(fp16_to_fp32(x[b].d) * fp16_to_fp32(y[b].d), static_cast<float>(s), acc);
-  }
-  return acc;
-}
+constexpr auto dot_q4_0 = dot_nibbles<block_q4_0>;
+constexpr auto dot_q4_1 = dot_nibbles<block_q4_1>;
 
 // Q4_K for a few rows (below GGUF_Q4_K_INTERLEAVED_MIN_ROWS): each weight block unpacked
 // once for R activation rows, with the interleaved method's arithmetic; R = 1 is the
